@@ -1,0 +1,82 @@
+"""Tiny NVML helpers around one lazy, per-process ``nvmlInit``.
+
+Nothing here creates a CUDA context: NVML talks to the driver, not the runtime, so
+counting GPUs on the flow host never grabs device memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+from distributed.diagnostics import nvml as _dask_nvml
+
+
+class DeviceMemory(NamedTuple):
+    used: int
+    total: int
+
+
+def is_available() -> bool:
+    """True when NVML loaded and the driver answered."""
+    _dask_nvml.init_once()
+    return _dask_nvml.is_initialized()
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: NVML's count, narrowed by ``CUDA_VISIBLE_DEVICES``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [entry for entry in visible.split(",") if entry.strip()]
+        return len(entries) if entries and entries[0].strip() != "-1" and is_available() else 0
+    return _dask_nvml.device_get_count()
+
+
+def worker_device_handle() -> Any:
+    """NVML handle of this process's GPU: the first ``CUDA_VISIBLE_DEVICES`` entry.
+
+    Entries may be indices or ``GPU-``/``MIG-`` UUIDs; distributed resolves both.
+    """
+    # distributed's own resolver (used by its dashboard); one place, MIG-aware.
+    return _dask_nvml._pynvml_handles()
+
+
+def device_uuid(handle: Any) -> str:
+    import pynvml
+
+    uuid = pynvml.nvmlDeviceGetUUID(handle)
+    return uuid.decode() if isinstance(uuid, bytes) else uuid
+
+
+def device_index(handle: Any) -> int:
+    import pynvml
+
+    return int(pynvml.nvmlDeviceGetIndex(handle))
+
+
+def device_memory(handle: Any) -> DeviceMemory:
+    import pynvml
+
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return DeviceMemory(used=int(info.used), total=int(info.total))
+
+
+def process_memory(handle: Any, pid: int) -> int:
+    """Bytes the process ``pid`` holds on the device (0 when it has no context there).
+
+    Returns -1 where the driver cannot attribute memory per process (some MIG and
+    vGPU setups); callers then judge by device-wide memory.
+    """
+    import pynvml
+
+    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        if proc.pid == pid:
+            used = proc.usedGpuMemory
+            return -1 if used is None else int(used)
+    return 0
+
+
+def process_pids(handle: Any) -> list[int]:
+    import pynvml
+
+    return [proc.pid for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]

@@ -1,0 +1,138 @@
+"""Leak verdicts and restart decisions: pure logic over a ``MemoryProbe``.
+
+A task's "after" figure is only trusted once allocator caches had their chance to
+give memory back: CuPy's and torch's pools keep freed blocks, so a task that churned
+4 GiB through the pool looks 4 GiB heavier until the pool is flushed. Like PyTorch's
+own leak check, a suspicion is re-sampled after ``gc.collect()`` and a cache flush,
+and confirmed once more after the driver has had a moment to settle.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from dask.utils import parse_bytes
+
+from prefect_gpu_dask.probe import MemoryProbe, MemorySample
+
+RestartPolicy = Literal["worker", "cluster", "never"]
+GuardScope = Literal["gpu", "all", "off"]
+RESTART_POLICIES = ("worker", "cluster", "never")
+GUARD_SCOPES = ("gpu", "all", "off")
+
+CLEAN, CACHED, LEAK = "clean", "cached", "leak"
+
+
+def parse_threshold(value: int | str) -> int:
+    """``"256MiB"`` or bytes -> bytes; anything else is a ValueError naming it."""
+    if isinstance(value, bool):
+        raise ValueError(f"leak_threshold {value!r} is not a size")
+    try:
+        parsed = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"leak_threshold {value!r} is not a size (use bytes or e.g. '256MiB')"
+        ) from None
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"leak_threshold {value!r} is not a whole number of bytes")
+    if parsed <= 0:
+        raise ValueError(f"leak_threshold {value!r} must be positive")
+    return parsed
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """What the guard tolerates; validated here so bad values fail at construction."""
+
+    leak_threshold: int = 256 * 2**20
+    memory_limit: float = 0.9
+    restart_after_tasks: int | None = None
+    settle_s: float = 0.05  # the driver frees memory asynchronously; wait this long to confirm
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "leak_threshold", parse_threshold(self.leak_threshold))
+        limit = self.memory_limit
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, (int, float))
+            or not math.isfinite(limit)
+            or not 0 < limit <= 1
+        ):
+            raise ValueError(f"memory_limit {limit!r} must be a fraction in (0, 1]")
+        count = self.restart_after_tasks
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # clean | cached (caches flushed, then clean) | leak
+    before: MemorySample
+    after: MemorySample
+    delta: int
+    restart_reason: str | None = None
+
+
+def judge(
+    probe: MemoryProbe,
+    before: MemorySample,
+    settings: GuardSettings,
+    release_caches: Callable[[], None],
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[str, MemorySample]:
+    """Sample after a task and decide clean / cached / leak, flushing only when needed."""
+    after = probe.sample()
+    if after.judged - before.judged <= settings.leak_threshold:
+        return CLEAN, after  # the hot path: two NVML reads, no flush
+    release_caches()
+    after = probe.sample()
+    if after.judged - before.judged <= settings.leak_threshold:
+        return CACHED, after
+    sleep(settings.settle_s)
+    after = probe.sample()
+    if after.judged - before.judged <= settings.leak_threshold:
+        return CACHED, after
+    return LEAK, after
+
+
+def restart_reason(
+    status: str,
+    after: MemorySample,
+    delta: int,
+    tasks_run: int,
+    settings: GuardSettings,
+) -> str | None:
+    """Why this worker should be recycled now, or None."""
+    if status == LEAK:
+        return f"leak: task left {format_bytes(delta)} on the GPU (threshold {format_bytes(settings.leak_threshold)})"
+    if after.device_total and after.device_used / after.device_total > settings.memory_limit:
+        return (
+            f"memory limit: GPU {after.device_used / after.device_total:.0%} used "
+            f"(limit {settings.memory_limit:.0%})"
+        )
+    if settings.restart_after_tasks and tasks_run >= settings.restart_after_tasks:
+        return f"recycle: {tasks_run} GPU tasks run (restart_after_tasks={settings.restart_after_tasks})"
+    return None
+
+
+def verdict_for(
+    probe: MemoryProbe,
+    before: MemorySample,
+    settings: GuardSettings,
+    tasks_run: int,
+    release_caches: Callable[[], None],
+    sleep: Callable[[float], None] = time.sleep,
+) -> Verdict:
+    status, after = judge(probe, before, settings, release_caches, sleep)
+    delta = after.judged - before.judged
+    return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
+
+
+def format_bytes(n: int) -> str:
+    from dask.utils import format_bytes as _format
+
+    return ("-" if n < 0 else "") + _format(abs(n))

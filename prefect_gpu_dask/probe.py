@@ -1,0 +1,62 @@
+"""The memory-probe interface the guard judges by, and its NVML implementation.
+
+The verdict logic only ever sees ``MemoryProbe.sample()``, so CI can drive it with a
+scripted probe while the GPU machine drives it with NVML.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from prefect_gpu_dask import nvml
+
+
+class MemorySample(NamedTuple):
+    """One reading: this process's bytes on its GPU, and the whole device's."""
+
+    process: int  # -1 when the driver cannot attribute memory per process
+    device_used: int
+    device_total: int
+
+    @property
+    def judged(self) -> int:
+        """The figure leaks are judged by: per process where known, else device-wide."""
+        return self.device_used if self.process < 0 else self.process
+
+
+@dataclass(frozen=True)
+class GPUIdentity:
+    index: int
+    uuid: str
+
+
+@runtime_checkable
+class MemoryProbe(Protocol):
+    gpu: GPUIdentity
+
+    def sample(self) -> MemorySample: ...
+
+
+class NvmlProbe:
+    """Reads this process's GPU (first ``CUDA_VISIBLE_DEVICES`` entry) through NVML."""
+
+    def __init__(self, handle: Any | None = None, pid: int | None = None):
+        self._handle = handle if handle is not None else nvml.worker_device_handle()
+        self._pid = pid if pid is not None else os.getpid()
+        self.gpu = GPUIdentity(nvml.device_index(self._handle), nvml.device_uuid(self._handle))
+
+    def sample(self) -> MemorySample:
+        device = nvml.device_memory(self._handle)
+        return MemorySample(nvml.process_memory(self._handle, self._pid), device.used, device.total)
+
+    def process_pids(self) -> list[int]:
+        return nvml.process_pids(self._handle)
+
+
+def open_probe() -> NvmlProbe | None:
+    """An NVML probe for this process's GPU, or None on a host without one."""
+    if nvml.visible_gpu_count() == 0:
+        return None
+    return NvmlProbe()

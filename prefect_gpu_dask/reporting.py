@@ -1,0 +1,137 @@
+"""What the Prefect UI shows: table and markdown artifacts, and events for automations."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from prefect_gpu_dask.policy import LEAK, format_bytes
+
+TABLE_KEY = "gpu-memory"
+SUMMARY_KEY = "gpu-memory-summary"
+LEAK_EVENT = "prefect-gpu-dask.leak.detected"
+RESTART_EVENT = "prefect-gpu-dask.worker.restarted"
+TABLE_COLUMNS = (
+    "task_run_name",
+    "verdict",
+    "before",
+    "after",
+    "peak",
+    "delta",
+    "duration_s",
+    "gpu_index",
+    "gpu_uuid",
+    "worker",
+    "tags",
+    "task_run_id",
+    "restart_reason",
+)
+
+
+def _related(record: dict[str, Any]) -> list[dict[str, str]]:
+    related = []
+    if record.get("flow_run_id"):
+        related.append(
+            {"prefect.resource.id": f"prefect.flow-run.{record['flow_run_id']}", "prefect.resource.role": "flow-run"}
+        )
+    if record.get("task_run_id"):
+        related.append(
+            {"prefect.resource.id": f"prefect.task-run.{record['task_run_id']}", "prefect.resource.role": "task-run"}
+        )
+    return related
+
+
+def _worker_resource(record: dict[str, Any]) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"prefect-gpu-dask.gpu.{record.get('gpu_uuid') or 'unknown'}",
+        "prefect.resource.name": f"GPU {record.get('gpu_index')} on {record.get('worker')}",
+        "prefect-gpu-dask.worker": str(record.get("worker")),
+    }
+
+
+def emit_leak_event(record: dict[str, Any]) -> None:
+    from prefect.events import emit_event
+
+    emit_event(
+        event=LEAK_EVENT,
+        resource=_worker_resource(record),
+        related=_related(record),
+        payload={k: record.get(k) for k in TABLE_COLUMNS},
+    )
+
+
+def emit_restart_event(restart: dict[str, Any]) -> None:
+    from prefect.events import emit_event
+
+    emit_event(
+        event=RESTART_EVENT,
+        resource=_worker_resource(restart),
+        related=_related(restart),
+        payload=restart,
+    )
+
+
+def table_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for record in records:
+        row = {column: record.get(column) for column in TABLE_COLUMNS}
+        for column in ("before", "after", "peak", "delta"):
+            row[column] = format_bytes(int(record.get(column) or 0))
+        row["tags"] = ", ".join(record.get("tags") or [])
+        rows.append(row)
+    return rows
+
+
+def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]]) -> str:
+    per_gpu: dict[str, Counter] = defaultdict(Counter)
+    for record in records:
+        per_gpu[f"GPU {record['gpu_index']} ({record['gpu_uuid']})"][record["verdict"]] += 1
+    leaks = [r for r in records if r["verdict"] == LEAK]
+    top = sorted(records, key=lambda r: r.get("peak") or 0, reverse=True)[:5]
+    lines = ["# GPU memory summary", "", f"{len(records)} guarded task(s) on {len(per_gpu)} GPU(s).", ""]
+    lines += ["## Tasks per GPU", "", "| GPU | tasks | clean | cached | leak |", "|---|---:|---:|---:|---:|"]
+    for gpu, counts in sorted(per_gpu.items()):
+        total = sum(counts.values())
+        lines.append(f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |")
+    lines += ["", "## Leaks", ""]
+    lines += [
+        f"- **{r['task_run_name']}** left {format_bytes(r['delta'])} on GPU {r['gpu_index']} ({r['worker']})"
+        for r in leaks
+    ] or ["None."]
+    lines += ["", "## Worker restarts", ""]
+    lines += [
+        f"- {r['worker']} -> {r.get('new_worker')}: {r['reason']} "
+        f"(memory back in {r.get('recovery_s', 0):.2f} s)"
+        for r in restarts
+    ] or ["None."]
+    lines += ["", "## Top memory consumers (peak)", "", "| task run | peak | delta |", "|---|---:|---:|"]
+    peak_max = max((r.get("peak") or 0 for r in top), default=0) or 1
+    for r in top:
+        bar = "█" * max(1, round(20 * (r.get("peak") or 0) / peak_max))
+        lines.append(f"| {r['task_run_name']} | {format_bytes(r.get('peak') or 0)} {bar} | {format_bytes(r['delta'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def publish_artifacts(
+    flow_run_id: str, records: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]]
+) -> None:
+    """Attach the records to the flow run as a table and a markdown summary."""
+    from prefect.artifacts import MarkdownArtifact, TableArtifact
+
+    with warnings.catch_warnings():
+        # The task runner closes after the flow run context; we name the run explicitly.
+        warnings.simplefilter("ignore", FutureWarning)
+        TableArtifact(
+            key=TABLE_KEY,
+            table=table_rows(records),
+            description="GPU memory per guarded task (prefect-gpu-dask)",
+            flow_run_id=flow_run_id,
+        ).create()
+        MarkdownArtifact(
+            key=SUMMARY_KEY,
+            markdown=summary_markdown(records, restarts),
+            description="GPUs used, leaks, restarts (prefect-gpu-dask)",
+            flow_run_id=flow_run_id,
+        ).create()

@@ -1,0 +1,170 @@
+"""Flow-side restart policy: recycle a leaking worker at a safe point, lose nothing.
+
+A worker is restarted only when it executes nothing and no unfinished task still
+depends on a result it holds. Before the restart the runner pulls the Prefect states
+held there into the flow (``detach``), so downstream tasks receive the state itself
+instead of a Dask key that would vanish and be recomputed (a task run twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+DONE_STATES = {"memory", "erred", "forgotten", "released"}
+POLL_S = 0.05
+
+
+def _blockers(dask_scheduler: Any, addresses: list[str]) -> list[str]:
+    """Reasons why restarting these workers now could lose or repeat work."""
+    reasons = []
+    for address in addresses:
+        ws = dask_scheduler.workers.get(address)
+        if ws is None:
+            continue
+        if ws.processing:
+            reasons.append(f"{address} is running {len(ws.processing)} task(s)")
+        for ts in ws.has_what:
+            if any(dep.state not in DONE_STATES for dep in ts.dependents):
+                reasons.append(f"{ts.key} on {address} is needed by a pending task")
+                break
+    return reasons
+
+
+def _keys_on(dask_scheduler: Any, addresses: list[str]) -> list[str]:
+    return [ts.key for a in addresses if a in dask_scheduler.workers for ts in dask_scheduler.workers[a].has_what]
+
+
+async def _restart_if_safe(dask_scheduler: Any, addresses: list[str], timeout: float) -> dict[str, Any]:
+    if blockers := _blockers(dask_scheduler, addresses):
+        return {"status": "busy", "blockers": blockers}
+    stimulus = f"prefect-gpu-dask-restart-{time.time()}"
+    for address in addresses:
+        if address in dask_scheduler.workers:
+            # Paused workers get no new tasks between this check and the restart.
+            dask_scheduler.handle_worker_status_change("paused", address, stimulus)
+    result = await dask_scheduler.restart_workers(
+        [a for a in addresses if a in dask_scheduler.workers],
+        timeout=timeout,
+        stimulus_id=stimulus,
+        on_error="return",
+    )
+    return {"status": "restarted", "result": {k: str(v) for k, v in result.items()}}
+
+
+def _guard_state(dask_worker: Any) -> dict[str, Any]:
+    from prefect_gpu_dask.guard import PLUGIN_NAME
+
+    guard = dask_worker.plugins.get(PLUGIN_NAME)
+    baseline = getattr(guard, "baseline", None)
+    sample = guard.probe.sample() if getattr(guard, "probe", None) is not None else None
+    return {
+        "pid": __import__("os").getpid(),
+        "name": str(dask_worker.name),
+        "baseline": baseline.judged if baseline else None,
+        "now": sample.judged if sample else None,
+    }
+
+
+class RestartCoordinator:
+    """Queue restart requests from worker events; carry them out in one background thread."""
+
+    def __init__(
+        self,
+        client: Any,
+        policy: str,
+        detach: Callable[[set[str]], None],
+        lock: threading.RLock,
+        on_restart: Callable[[dict[str, Any]], None],
+        logger: logging.Logger,
+        timeout: float = 60.0,
+    ):
+        self.client = client
+        self.policy = policy
+        self.detach = detach
+        self.lock = lock
+        self.on_restart = on_restart
+        self.logger = logger
+        self.timeout = timeout
+        self.restarts: list[dict[str, Any]] = []
+        self._requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._pending: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="gpu-restarts", daemon=True)
+        self._thread.start()
+
+    def request(self, record: dict[str, Any]) -> None:
+        """Called from the Dask client's event loop: never blocks."""
+        if self.policy == "never" or record["worker"] in self._pending:
+            return
+        self._pending.add(record["worker"])
+        self._requests.put(record)
+
+    def close(self, wait: bool) -> None:
+        """Stop after carrying out pending requests (``wait``) or dropping them."""
+        if not wait:
+            while not self._requests.empty():
+                self._requests.get_nowait()
+        self._requests.put(None)
+        self._thread.join(timeout=self.timeout if wait else 5)
+
+    def _run(self) -> None:
+        while (record := self._requests.get()) is not None:
+            try:
+                self._restart(record)
+            except Exception:
+                self.logger.exception("Restarting worker %s failed", record["worker"])
+            finally:
+                self._pending.discard(record["worker"])
+
+    def _targets(self, record: dict[str, Any]) -> list[str]:
+        if self.policy == "cluster":
+            return list(self.client.scheduler_info(n_workers=-1)["workers"])
+        return [record["worker"]]
+
+    def _restart(self, record: dict[str, Any]) -> None:
+        requested = time.perf_counter()
+        reason = record["restart_reason"]
+        targets = self._targets(record)
+        self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), reason)
+        deadline = time.monotonic() + 3600
+        while time.monotonic() < deadline:
+            with self.lock:  # no submission may depend on these workers meanwhile
+                if blockers := self.client.run_on_scheduler(_blockers, targets):
+                    outcome = {"status": "busy", "blockers": blockers}
+                else:
+                    self.detach(set(self.client.run_on_scheduler(_keys_on, targets)))
+                    outcome = self.client.run_on_scheduler(_restart_if_safe, targets, self.timeout)
+            if outcome["status"] == "restarted":
+                break
+            time.sleep(POLL_S)
+        else:
+            self.logger.error("Gave up recycling %s: never idle", targets)
+            return
+        restarted = time.perf_counter()
+        info = self._after_restart(record, targets)
+        info.update(
+            reason=reason,
+            restart_s=round(restarted - requested, 3),
+            recovery_s=round(time.perf_counter() - requested, 3),
+            policy=self.policy,
+        )
+        self.restarts.append(info)
+        self.logger.warning(
+            "Restarted %s (%s) -> %s in %.2f s; GPU memory back to %s",
+            info["worker"], reason, info.get("new_worker"), info["recovery_s"], info.get("memory_after"),
+        )
+        self.on_restart(info)
+
+    def _after_restart(self, record: dict[str, Any], targets: list[str]) -> dict[str, Any]:
+        """Find the replacement worker and read its GPU memory (its guard waited for release)."""
+        info = {k: record.get(k) for k in ("worker", "worker_name", "gpu_index", "gpu_uuid", "flow_run_id", "task_run_id", "task_run_name", "pid")}
+        info["memory_before"] = record.get("after")
+        states = self.client.run(_guard_state, on_error="return")
+        for address, state in states.items():
+            if isinstance(state, dict) and state["name"] == str(record.get("worker_name")):
+                info.update(new_worker=address, new_pid=state["pid"], memory_after=state["now"], baseline=state["baseline"])
+        return info
