@@ -315,7 +315,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         user = dask.get_annotations().get("resources")
         if user:
             resources = {**resources, **user}
-        task = self._prepare(task, resources)
+        task, resources = self._prepare(task, resources)
         if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
             self._flow_run_id = str(ctx.flow_run.id)
         annotate = dask.annotate(resources=resources) if resources else nullcontext()
@@ -324,8 +324,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._futures[future.wrapped_future.key] = future
         return future
 
-    def _prepare(self, task: Any, resources: dict[str, float]) -> Any:
-        """Wrap the task's function for the guard or the missing-resource policy."""
+    def _prepare(self, task: Any, resources: dict[str, float]) -> tuple[Any, dict[str, float]]:
+        """Wrap the task's function for the guard or the missing-resource policy.
+
+        Returns the task to submit and the resources it may still ask for.
+        """
         if resources and not self._satisfiable(resources):
             offered = self._offered_resources()
             message = (
@@ -333,15 +336,15 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 f"(workers offer {offered or 'nothing'})"
             )
             if self.on_missing_gpu == "cpu":
-                resources.clear()
-                return self._wrapped(task, f"cpu:{message}", lambda fn: _announce_then_call(
-                    fn, f"{message}: running on CPU instead (on_missing_gpu='cpu')", fail=False))
-            resources.clear()
-            return self._wrapped(task, f"error:{message}", lambda fn: _announce_then_call(
-                fn, f"{message} (on_missing_gpu='error')", fail=True))
+                notice = f"{message}: running on CPU instead (on_missing_gpu='cpu')"
+            else:
+                notice = f"{message} (on_missing_gpu='error')"
+            fail = self.on_missing_gpu == "error"
+            wrap = functools.partial(_announce_then_call, message=notice, fail=fail)
+            return self._wrapped(task, notice, wrap), {}
         if self._guard_on and (self.guard == "all" or uses_gpu(resources)):
-            return self._wrapped(task, "guard", guarded)
-        return task
+            return self._wrapped(task, "guard", guarded), resources
+        return task, resources
 
     def _satisfiable(self, resources: dict[str, float]) -> bool:
         if satisfiable(resources, self._offered_resources()):

@@ -1,0 +1,133 @@
+"""Real parts only: a real Prefect API server and real Dask scheduler/worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def has_gpu() -> bool:
+    try:
+        import cupy  # noqa: F401
+
+        from prefect_gpu_dask.nvml import visible_gpu_count
+
+        return visible_gpu_count() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy (none here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_api() -> Iterator[str]:
+    """One real Prefect API server (SQLite in a temp dir) for the whole session."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+class DaskProcesses:
+    """``dask scheduler`` and ``dask worker`` subprocesses on 127.0.0.1."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        self.address = ""
+
+    def _spawn(self, *args: str, log: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]],
+            stdout=open(self.tmp / log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def start_scheduler(self, *extra: str) -> str:
+        scheduler_file = self.tmp / "scheduler.json"
+        self._spawn(
+            "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+            "--scheduler-file", str(scheduler_file), *extra, log="scheduler.log",
+        )
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.address = json.loads(scheduler_file.read_text())["address"]
+        return self.address
+
+    def start_worker(self, name: str, *extra: str) -> None:
+        self._spawn(
+            "worker", self.address, "--host", "127.0.0.1", "--name", name,
+            "--no-dashboard", *extra, log=f"worker-{name}.log",
+        )
+
+    def wait_for_workers(self, n: int, timeout: float = 60) -> None:
+        from distributed import Client
+
+        with Client(self.address, timeout=timeout) as client:
+            client.wait_for_workers(n, timeout=timeout)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def remote_cluster(tmp_path_factory) -> Iterator[DaskProcesses]:
+    """A scheduler, one worker labelled GPU=1 and one plain CPU worker."""
+    procs = DaskProcesses(tmp_path_factory.mktemp("dask"))
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1")
+    procs.start_worker("cpu-worker", "--nthreads", "4")
+    procs.wait_for_workers(2)
+    yield procs
+    procs.close()
+
+
+@pytest.fixture
+def dask_processes(tmp_path) -> Iterator[DaskProcesses]:
+    """A private set of Dask processes, for tests that kill or restart them."""
+    procs = DaskProcesses(tmp_path)
+    yield procs
+    procs.close()
+
+
+def task_run_logs(task_run_id, containing: str = "", timeout: float = 20) -> list[str]:
+    """The task run's log lines from the API; workers send logs in batches, so poll."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
+            lines = [log.message for log in logs]
+            if any(containing in line for line in lines) or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.25)

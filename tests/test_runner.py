@@ -1,0 +1,215 @@
+"""The runner against a real Prefect API and real Dask processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import distributed
+import pytest
+from prefect import flow, tags, task
+from prefect.states import State
+
+from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError
+from tests.conftest import task_run_logs
+
+
+@task(tags=["gpu"])
+def gpu_where(i: int) -> str:
+    return distributed.get_worker().name
+
+
+@task
+def anywhere(i: int) -> str:
+    return distributed.get_worker().name
+
+
+@task
+def interval(seconds: float) -> tuple[float, float]:
+    start = time.time()
+    time.sleep(seconds)
+    return start, time.time()
+
+
+def _overlaps(intervals: list[tuple[float, float]]) -> bool:
+    spans = sorted(intervals)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def test_gpu_tasks_run_only_on_the_gpu_worker(remote_cluster):
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def routed():
+        gpu = [gpu_where.submit(i) for i in range(8)]
+        mapped = gpu_where.map(range(8))
+        free = anywhere.map(range(16))
+        with tags("gpu"):
+            ctx = anywhere.submit(99)
+        return [f.result() for f in gpu], [f.result() for f in mapped], [f.result() for f in free], ctx.result()
+
+    gpu, mapped, free, ctx = routed()
+    assert set(gpu) == {"gpu-worker"}
+    assert set(mapped) == {"gpu-worker"}
+    assert ctx == "gpu-worker"  # tags from `with tags("gpu")` count
+    assert set(free) <= {"gpu-worker", "cpu-worker"}
+
+
+def test_custom_tag_map_routes(remote_cluster):
+    @task(tags=["big"])
+    def big() -> str:
+        return distributed.get_worker().name
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, tag_resources={"big": {"GPU": 1}}))
+    def custom():
+        return [big.submit().result() for _ in range(4)]
+
+    assert set(custom()) == {"gpu-worker"}
+
+
+def test_user_annotations_are_kept(remote_cluster):
+    import dask
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def annotated():
+        with dask.annotate(resources={"GPU": 1}):
+            return [anywhere.submit(i).result() for i in range(4)]
+
+    assert set(annotated()) == {"gpu-worker"}
+
+
+def test_half_gpu_tasks_share_and_whole_gpu_tasks_do_not(remote_cluster):
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def sharing():
+        half = interval.with_options(tags=["gpu:0.5"]).map([1.0, 1.0])
+        whole = interval.with_options(tags=["gpu:1"]).map([0.5, 0.5, 0.5])
+        return [f.result() for f in half], [f.result() for f in whole]
+
+    half, whole = sharing()
+    assert _overlaps(half), half
+    assert not _overlaps(whole), whole
+
+
+def test_missing_gpu_falls_back_to_cpu_with_a_warning(remote_cluster):
+    @task(tags=["gpu:2"])  # no worker has two GPU slots
+    def needs_two() -> str:
+        return distributed.get_worker().name
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def fallback():
+        future = needs_two.submit()
+        return future.result(), future.task_run_id
+
+    name, task_run_id = fallback()
+    assert name in {"gpu-worker", "cpu-worker"}
+    assert any("running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead"))
+
+
+def test_missing_gpu_error_fails_fast(remote_cluster):
+    @task(tags=["gpu:2"])
+    def needs_two() -> str:
+        return "ran"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, on_missing_gpu="error"))
+    def strict():
+        return needs_two.submit()
+
+    start = time.monotonic()
+    state: State = strict(return_state=True)
+    elapsed = time.monotonic() - start
+    assert state.is_failed()
+    with pytest.raises(MissingResourceError, match=r"asked for resources \{'GPU': 2.0\}"):
+        state.result()
+    assert elapsed < 30
+
+
+def test_default_runner_without_gpus_runs_gpu_tasks_on_cpu():
+    @flow(task_runner=GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 2}))
+    def default():
+        future = gpu_where.submit(0)
+        return future.result(), future.task_run_id
+
+    name, task_run_id = default()
+    assert name == 0
+    assert any("running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead"))
+
+
+def test_default_runner_error_mode_fails_within_bound():
+    @flow(
+        task_runner=GPUDaskTaskRunner(
+            on_missing_gpu="error", cluster_kwargs={"n_workers": 1, "threads_per_worker": 1}
+        )
+    )
+    def strict():
+        return gpu_where.submit(0).result()
+
+    start = time.monotonic()
+    state = strict(return_state=True)
+    assert state.is_failed()
+    assert "no worker offers them" in state.message or "no worker offers" in str(
+        state.result(raise_on_failure=False)
+    )
+    assert time.monotonic() - start < 60
+
+
+def test_malformed_tag_raises_before_the_task_runs(remote_cluster):
+    ran = []
+
+    @task(tags=["gpu:abc"])
+    def bad() -> None:
+        ran.append(1)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def malformed():
+        bad.submit()
+
+    with pytest.raises(ValueError, match="gpu:abc"):
+        malformed()
+    assert ran == []
+
+
+ARGUMENTS = dict(
+    address="tcp://127.0.0.1:8786",
+    client_kwargs={"timeout": "5s"},
+    performance_report_path=None,
+    tag_resources={"nvme": {"NVME": 1}},
+    on_missing_gpu="error",
+    guard="all",
+    leak_threshold="128MiB",
+    memory_limit=0.8,
+    restart="cluster",
+    restart_after_tasks=10,
+    allow_insecure=False,
+)
+
+
+def test_duplicate_and_pickle_round_trip_every_argument():
+    runner = GPUDaskTaskRunner(**ARGUMENTS)
+    for clone in (runner.duplicate(), pickle.loads(pickle.dumps(runner))):
+        assert type(clone) is GPUDaskTaskRunner
+        assert clone == runner
+        assert clone._arguments() == runner._arguments()
+        arguments = clone._arguments()
+        for name, value in ARGUMENTS.items():
+            assert arguments[name] == value, name
+        assert clone.client_kwargs["timeout"] == "5s"
+        assert clone.router.resources_for_tags({"nvme"}) == {"NVME": 1.0}
+
+
+def test_duplicate_keeps_cluster_class_and_kwargs():
+    runner = GPUDaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={"n_workers": 1},
+        adapt_kwargs={"maximum": 2},
+    )
+    clone = pickle.loads(pickle.dumps(runner.duplicate()))
+    assert clone.cluster_class == "distributed.LocalCluster"
+    assert clone.cluster_kwargs == {"n_workers": 1}
+    assert clone.adapt_kwargs == {"maximum": 2}
+
+
+def test_security_round_trips(tmp_path):
+    security = distributed.Security(require_encryption=False)
+    runner = GPUDaskTaskRunner(address="tls://10.0.0.5:8786", security=security)
+    clone = pickle.loads(pickle.dumps(runner)).duplicate()
+    assert clone.security is not None
+    assert clone.client_kwargs["security"] is not None
+    assert "security" not in clone._arguments()["client_kwargs"]
