@@ -19,7 +19,7 @@ DONE_STATES = {"memory", "erred", "forgotten", "released"}
 POLL_S = 0.05
 
 
-def _blockers(dask_scheduler: Any, addresses: list[str]) -> list[str]:
+def _blockers(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
     """Reasons why restarting these workers now could lose or repeat work."""
     reasons = []
     for address in addresses:
@@ -35,18 +35,24 @@ def _blockers(dask_scheduler: Any, addresses: list[str]) -> list[str]:
     return reasons
 
 
-def _keys_on(dask_scheduler: Any, addresses: list[str]) -> list[str]:
+def _keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
     return [ts.key for a in addresses if a in dask_scheduler.workers for ts in dask_scheduler.workers[a].has_what]
 
 
-async def _restart_if_safe(dask_scheduler: Any, addresses: list[str], timeout: float) -> dict[str, Any]:
-    if blockers := _blockers(dask_scheduler, addresses):
+async def _restart_if_safe(
+    addresses: list[str], timeout: float, whole_cluster: bool, dask_scheduler: Any = None
+) -> dict[str, Any]:
+    if blockers := _blockers(addresses, dask_scheduler):
         return {"status": "busy", "blockers": blockers}
     stimulus = f"prefect-gpu-dask-restart-{time.time()}"
     for address in addresses:
         if address in dask_scheduler.workers:
             # Paused workers get no new tasks between this check and the restart.
             dask_scheduler.handle_worker_status_change("paused", address, stimulus)
+    if whole_cluster:
+        # What client.restart() does: forget every task, restart every worker.
+        await dask_scheduler.restart(timeout=timeout, stimulus_id=stimulus)
+        return {"status": "restarted", "result": {a: "OK" for a in addresses}}
     result = await dask_scheduler.restart_workers(
         [a for a in addresses if a in dask_scheduler.workers],
         timeout=timeout,
@@ -137,7 +143,9 @@ class RestartCoordinator:
                     outcome = {"status": "busy", "blockers": blockers}
                 else:
                     self.detach(set(self.client.run_on_scheduler(_keys_on, targets)))
-                    outcome = self.client.run_on_scheduler(_restart_if_safe, targets, self.timeout)
+                    outcome = self.client.run_on_scheduler(
+                        _restart_if_safe, targets, self.timeout, self.policy == "cluster"
+                    )
             if outcome["status"] == "restarted":
                 break
             time.sleep(POLL_S)

@@ -1,0 +1,110 @@
+"""Verdict and restart logic, driven by a scripted probe (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_gpu_dask.policy import CACHED, CLEAN, LEAK, GuardSettings, restart_reason, verdict_for
+from prefect_gpu_dask.probe import MemorySample
+from tests.scripted_probe import ScriptedProbe
+
+MiB = 2**20
+GiB = 2**30
+SETTINGS = GuardSettings(leak_threshold="256MiB", memory_limit=0.9)
+
+
+class Flushes:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self):
+        self.count += 1
+
+
+def run(probe, before=1 * GiB, settings=SETTINGS, tasks_run=1):
+    flushes, sleeps = Flushes(), []
+    start = MemorySample(before, before, probe.total)
+    verdict = verdict_for(probe, start, settings, tasks_run, flushes, sleeps.append)
+    return verdict, flushes.count, sleeps
+
+
+def test_clean_task_needs_no_flush():
+    verdict, flushes, sleeps = run(ScriptedProbe(1 * GiB + 10 * MiB))
+    assert (verdict.status, flushes, sleeps) == (CLEAN, 0, [])
+    assert verdict.delta == 10 * MiB
+    assert verdict.restart_reason is None
+
+
+def test_pool_churn_is_not_a_leak():
+    # 4 GiB still cached by the pool after the task; the flush gives it back.
+    verdict, flushes, _ = run(ScriptedProbe(5 * GiB, 1 * GiB))
+    assert (verdict.status, flushes) == (CACHED, 1)
+    assert verdict.restart_reason is None
+
+
+def test_driver_slow_to_release_is_not_a_leak():
+    verdict, flushes, sleeps = run(ScriptedProbe(2 * GiB, 2 * GiB, 1 * GiB + MiB))
+    assert verdict.status == CACHED
+    assert sleeps == [SETTINGS.settle_s]
+
+
+def test_memory_kept_alive_is_a_leak():
+    verdict, flushes, sleeps = run(ScriptedProbe(1 * GiB + 512 * MiB))
+    assert verdict.status == LEAK
+    assert verdict.delta == 512 * MiB
+    assert flushes == 1 and len(sleeps) == 1
+    assert verdict.restart_reason.startswith("leak: task left 512.00 MiB")
+
+
+def test_threshold_is_inclusive():
+    verdict, _, _ = run(ScriptedProbe(1 * GiB + 256 * MiB))
+    assert verdict.status == CLEAN
+
+
+def test_device_wide_figure_when_process_memory_is_unknown():
+    probe = ScriptedProbe(-1, device_used=3 * GiB)
+    start = MemorySample(-1, 1 * GiB, probe.total)
+    verdict = verdict_for(probe, start, SETTINGS, 1, Flushes(), lambda s: None)
+    assert verdict.status == LEAK and verdict.delta == 2 * GiB
+
+
+def test_memory_limit_recycles_without_a_leak():
+    probe = ScriptedProbe(1 * GiB, device_used=int(0.95 * 16 * GiB))
+    verdict, _, _ = run(probe)
+    assert verdict.status == CLEAN
+    assert verdict.restart_reason.startswith("memory limit: GPU 95% used")
+
+
+def test_restart_after_tasks():
+    settings = GuardSettings(restart_after_tasks=3)
+    after = MemorySample(0, 0, GiB)
+    assert restart_reason(CLEAN, after, 0, 2, settings) is None
+    assert restart_reason(CLEAN, after, 0, 3, settings).startswith("recycle: 3 GPU tasks")
+
+
+@pytest.mark.parametrize(
+    "kwargs, bad",
+    [
+        ({"leak_threshold": "lots"}, "'lots'"),
+        ({"leak_threshold": -5}, "-5"),
+        ({"leak_threshold": 0}, "0"),
+        ({"leak_threshold": True}, "True"),
+        ({"leak_threshold": 1.5}, "1.5"),
+        ({"memory_limit": 0}, "0"),
+        ({"memory_limit": 1.5}, "1.5"),
+        ({"memory_limit": "0.9"}, "'0.9'"),
+        ({"memory_limit": float("nan")}, "nan"),
+        ({"restart_after_tasks": 0}, "0"),
+        ({"restart_after_tasks": 2.5}, "2.5"),
+    ],
+)
+def test_bad_settings_name_the_value(kwargs, bad):
+    with pytest.raises(ValueError) as err:
+        GuardSettings(**kwargs)
+    assert bad in str(err.value)
+
+
+def test_size_strings():
+    assert GuardSettings(leak_threshold="1GiB").leak_threshold == GiB
+    assert GuardSettings(leak_threshold="512 MB").leak_threshold == 512 * 10**6
+    assert GuardSettings(leak_threshold=4096).leak_threshold == 4096
