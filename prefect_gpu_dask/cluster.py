@@ -76,7 +76,8 @@ def local_cluster_kwargs(
         kwargs.setdefault("resources", {GPU_RESOURCE: 1})
         kwargs.setdefault("threads_per_worker", GPU_WORKER_THREADS)
     if is_local_cuda_cluster(cluster_class) or is_local_cpu_cluster(cluster_class):
-        if "interface" not in kwargs:
+        # In-process clusters talk over inproc://, which takes no host.
+        if "interface" not in kwargs and kwargs.get("processes", True):
             kwargs.setdefault("host", LOOPBACK)
         kwargs.setdefault("dashboard_address", f"{LOOPBACK}:0")
     return kwargs

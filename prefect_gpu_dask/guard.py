@@ -250,7 +250,12 @@ def _log_record(record: dict[str, Any]) -> None:
     )
     run_logger = get_run_logger()
     if record["verdict"] == LEAK or record["restart_reason"]:
-        run_logger.warning("%s; worker %s will be recycled (%s)", message, record["worker"], record["restart_reason"])
+        run_logger.warning(
+            "%s; worker %s will be recycled (%s)",
+            message,
+            record["worker"],
+            record["restart_reason"],
+        )
     else:
         run_logger.info(message)
 

@@ -64,7 +64,9 @@ class GuardSettings:
         ):
             raise ValueError(f"memory_limit {limit!r} must be a fraction in (0, 1]")
         count = self.restart_after_tasks
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        if count is not None and (
+            isinstance(count, bool) or not isinstance(count, int) or count < 1
+        ):
             raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
 
 
@@ -129,7 +131,9 @@ def verdict_for(
 ) -> Verdict:
     status, after = judge(probe, before, settings, release_caches, sleep)
     delta = after.judged - before.judged
-    return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
+    return Verdict(
+        status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings)
+    )
 
 
 def format_bytes(n: int) -> str:

@@ -34,11 +34,17 @@ def _related(record: dict[str, Any]) -> list[dict[str, str]]:
     related = []
     if record.get("flow_run_id"):
         related.append(
-            {"prefect.resource.id": f"prefect.flow-run.{record['flow_run_id']}", "prefect.resource.role": "flow-run"}
+            {
+                "prefect.resource.id": f"prefect.flow-run.{record['flow_run_id']}",
+                "prefect.resource.role": "flow-run",
+            }
         )
     if record.get("task_run_id"):
         related.append(
-            {"prefect.resource.id": f"prefect.task-run.{record['task_run_id']}", "prefect.resource.role": "task-run"}
+            {
+                "prefect.resource.id": f"prefect.task-run.{record['task_run_id']}",
+                "prefect.resource.role": "task-run",
+            }
         )
     return related
 
@@ -90,11 +96,23 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
         per_gpu[f"GPU {record['gpu_index']} ({record['gpu_uuid']})"][record["verdict"]] += 1
     leaks = [r for r in records if r["verdict"] == LEAK]
     top = sorted(records, key=lambda r: r.get("peak") or 0, reverse=True)[:5]
-    lines = ["# GPU memory summary", "", f"{len(records)} guarded task(s) on {len(per_gpu)} GPU(s).", ""]
-    lines += ["## Tasks per GPU", "", "| GPU | tasks | clean | cached | leak |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "# GPU memory summary",
+        "",
+        f"{len(records)} guarded task(s) on {len(per_gpu)} GPU(s).",
+        "",
+    ]
+    lines += [
+        "## Tasks per GPU",
+        "",
+        "| GPU | tasks | clean | cached | leak |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for gpu, counts in sorted(per_gpu.items()):
         total = sum(counts.values())
-        lines.append(f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |")
+        lines.append(
+            f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |"
+        )
     lines += ["", "## Leaks", ""]
     lines += [
         f"- **{r['task_run_name']}** left {format_bytes(r['delta'])} on GPU {r['gpu_index']} ({r['worker']})"
@@ -106,11 +124,19 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
         f"(memory back in {r.get('recovery_s', 0):.2f} s)"
         for r in restarts
     ] or ["None."]
-    lines += ["", "## Top memory consumers (peak)", "", "| task run | peak | delta |", "|---|---:|---:|"]
+    lines += [
+        "",
+        "## Top memory consumers (peak)",
+        "",
+        "| task run | peak | delta |",
+        "|---|---:|---:|",
+    ]
     peak_max = max((r.get("peak") or 0 for r in top), default=0) or 1
     for r in top:
         bar = "█" * max(1, round(20 * (r.get("peak") or 0) / peak_max))
-        lines.append(f"| {r['task_run_name']} | {format_bytes(r.get('peak') or 0)} {bar} | {format_bytes(r['delta'])} |")
+        lines.append(
+            f"| {r['task_run_name']} | {format_bytes(r.get('peak') or 0)} {bar} | {format_bytes(r['delta'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -36,7 +36,12 @@ def _blockers(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
 
 
 def _keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
-    return [ts.key for a in addresses if a in dask_scheduler.workers for ts in dask_scheduler.workers[a].has_what]
+    return [
+        ts.key
+        for a in addresses
+        if a in dask_scheduler.workers
+        for ts in dask_scheduler.workers[a].has_what
+    ]
 
 
 async def _restart_if_safe(
@@ -163,16 +168,37 @@ class RestartCoordinator:
         self.restarts.append(info)
         self.logger.warning(
             "Restarted %s (%s) -> %s in %.2f s; GPU memory back to %s",
-            info["worker"], reason, info.get("new_worker"), info["recovery_s"], info.get("memory_after"),
+            info["worker"],
+            reason,
+            info.get("new_worker"),
+            info["recovery_s"],
+            info.get("memory_after"),
         )
         self.on_restart(info)
 
     def _after_restart(self, record: dict[str, Any], targets: list[str]) -> dict[str, Any]:
         """Find the replacement worker and read its GPU memory (its guard waited for release)."""
-        info = {k: record.get(k) for k in ("worker", "worker_name", "gpu_index", "gpu_uuid", "flow_run_id", "task_run_id", "task_run_name", "pid")}
+        info = {
+            k: record.get(k)
+            for k in (
+                "worker",
+                "worker_name",
+                "gpu_index",
+                "gpu_uuid",
+                "flow_run_id",
+                "task_run_id",
+                "task_run_name",
+                "pid",
+            )
+        }
         info["memory_before"] = record.get("after")
         states = self.client.run(_guard_state, on_error="return")
         for address, state in states.items():
             if isinstance(state, dict) and state["name"] == str(record.get("worker_name")):
-                info.update(new_worker=address, new_pid=state["pid"], memory_after=state["now"], baseline=state["baseline"])
+                info.update(
+                    new_worker=address,
+                    new_pid=state["pid"],
+                    memory_after=state["now"],
+                    baseline=state["baseline"],
+                )
         return info

@@ -31,7 +31,9 @@ def validate_tag_resources(tag_resources: Mapping[str, Mapping[str, float]] | No
     if tag_resources is None:
         return {}
     if not isinstance(tag_resources, Mapping):
-        raise ValueError(f"tag_resources must be a mapping of tag -> resources, got {tag_resources!r}")
+        raise ValueError(
+            f"tag_resources must be a mapping of tag -> resources, got {tag_resources!r}"
+        )
     clean: dict[str, Resources] = {}
     for tag, resources in tag_resources.items():
         if not isinstance(tag, str) or not tag:

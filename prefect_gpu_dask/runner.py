@@ -37,6 +37,7 @@ from prefect_gpu_dask.policy import (
 )
 from prefect_gpu_dask.restarts import RestartCoordinator
 from prefect_gpu_dask.routing import TagRouter, satisfiable, uses_gpu
+from prefect_gpu_dask.submission import TaskSubmitter
 
 OnMissingGPU = Literal["cpu", "error"]
 ON_MISSING_GPU = ("cpu", "error")
@@ -171,7 +172,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if address:
             clusters.check_address(
                 address,
-                secure=security is not None and bool(security.require_encryption or address.startswith("tls")),
+                secure=security is not None
+                and bool(security.require_encryption or address.startswith("tls")),
                 allow_insecure=allow_insecure,
             )
         self.guard_settings = GuardSettings(leak_threshold, memory_limit, restart_after_tasks)
@@ -202,12 +204,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._offered: list[dict[str, float]] = []
         self._offered_at = float("-inf")
         self._wrapped_tasks: dict[tuple[int, str], tuple[Any, Any]] = {}
-        self._futures: weakref.WeakValueDictionary[str, PrefectDaskFuture] = weakref.WeakValueDictionary()
+        self._futures: weakref.WeakValueDictionary[str, PrefectDaskFuture] = (
+            weakref.WeakValueDictionary()
+        )
         self._submit_lock = threading.RLock()
         self._restarts: RestartCoordinator | None = None
         self._guard_on = False
         self._flow_run_id: str | None = None
-        self._warned_gpu_missing = False
+        self._submitter = TaskSubmitter()
 
     # -- settings round-trip ------------------------------------------------------
     def _arguments(self) -> dict[str, Any]:
@@ -320,8 +324,15 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._flow_run_id = str(ctx.flow_run.id)
         annotate = dask.annotate(resources=resources) if resources else nullcontext()
         with self._submit_lock, annotate:
-            future = super().submit(task, parameters, wait_for, dependencies)
-        self._futures[future.wrapped_future.key] = future
+            wrapped = self._submitter.submit(
+                self._client,
+                task,
+                self._optimize_futures(parameters),
+                self._optimize_futures(wait_for) if wait_for else None,
+                dependencies,
+            )
+        future = PrefectDaskFuture(wrapped_future=wrapped, task_run_id=wrapped.task_run_id)
+        self._futures[wrapped.key] = future
         return future
 
     def _prepare(self, task: Any, resources: dict[str, float]) -> tuple[Any, dict[str, float]]:
@@ -351,7 +362,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             return True
         return satisfiable(resources, self._offered_resources(force=True))
 
-    def _wrapped(self, task: Any, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    def _wrapped(
+        self, task: Any, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> Any:
         key = (id(task), kind)
         cached = self._wrapped_tasks.get(key)
         if cached is None or cached[0] is not task:
@@ -362,7 +375,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         def visit(item: Any) -> Any:
             if isinstance(item, PrefectDaskFuture):
                 # A detached future's result moved to the flow before a restart.
-                return item._final_state if getattr(item, "_detached", False) else item.wrapped_future
+                return (
+                    item._final_state if getattr(item, "_detached", False) else item.wrapped_future
+                )
             return item
 
         return visit_collection(expr, visit_fn=visit, return_data=True)
@@ -386,7 +401,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _detach(self, keys: Iterable[str]) -> None:
         """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
         futures = {key: f for key in keys if (f := self._futures.get(key)) is not None}
-        states = self._client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
+        states = self._client.gather(
+            {k: f.wrapped_future for k, f in futures.items()}, errors="skip"
+        )
         for key, state in states.items():
             future = futures[key]
             future._final_state = state
@@ -408,7 +425,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         Without a ``PREFECT_API_URL`` every worker process would start a Prefect server
         of its own (seconds each) just to report task states.
         """
-        from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, temporary_settings
+        from prefect.settings import (
+            PREFECT_API_URL,
+            PREFECT_SERVER_EPHEMERAL_ENABLED,
+            temporary_settings,
+        )
 
         if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
             return

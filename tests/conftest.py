@@ -67,8 +67,16 @@ class DaskProcesses:
     def start_scheduler(self, *extra: str) -> str:
         scheduler_file = self.tmp / "scheduler.json"
         self._spawn(
-            "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-            "--scheduler-file", str(scheduler_file), *extra, log="scheduler.log",
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-dashboard",
+            "--scheduler-file",
+            str(scheduler_file),
+            *extra,
+            log="scheduler.log",
         )
         deadline = time.monotonic() + 60
         while not scheduler_file.exists() and time.monotonic() < deadline:
@@ -78,8 +86,15 @@ class DaskProcesses:
 
     def start_worker(self, name: str, *extra: str) -> None:
         self._spawn(
-            "worker", self.address, "--host", "127.0.0.1", "--name", name,
-            "--no-dashboard", *extra, log=f"worker-{name}.log",
+            "worker",
+            self.address,
+            "--host",
+            "127.0.0.1",
+            "--name",
+            name,
+            "--no-dashboard",
+            *extra,
+            log=f"worker-{name}.log",
         )
 
     def wait_for_workers(self, n: int, timeout: float = 60) -> None:

@@ -14,7 +14,12 @@ import pytest
 from distributed import Client
 from prefect import flow, task
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
 from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner, GPUMemoryGuard, GuardSettings
@@ -146,7 +151,9 @@ def test_pool_churn_is_clean_and_never_restarts(dask_processes, tmp_path):
     assert len(set(pids)) == 1
     [artifact] = gpu_memory_artifact(flow_run_id)
     assert '"verdict": "leak"' not in artifact.data
-    assert artifact.data.count('"verdict": "cached"') + artifact.data.count('"verdict": "clean"') == 3
+    assert (
+        artifact.data.count('"verdict": "cached"') + artifact.data.count('"verdict": "clean"') == 3
+    )
 
 
 @pytest.mark.parametrize("policy", ["cluster", "never"])
@@ -157,7 +164,10 @@ def test_restart_policies(dask_processes, tmp_path, policy):
     @flow(task_runner=GPUDaskTaskRunner(address=address, restart=policy))
     def nightly():
         with Client(address) as probe_client:
-            before = {w["name"]: a for a, w in probe_client.scheduler_info(n_workers=-1)["workers"].items()}
+            before = {
+                w["name"]: a
+                for a, w in probe_client.scheduler_info(n_workers=-1)["workers"].items()
+            }
         leaky.submit(ledger, 512 * MiB).result()
         deadline = time.monotonic() + (30 if policy == "cluster" else 5)
         runner = FlowRunContext.get().task_runner
@@ -173,7 +183,9 @@ def test_restart_policies(dask_processes, tmp_path, policy):
         [restart] = restarts
         assert restart["policy"] == "cluster"
         with Client(address) as client:
-            after = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+            after = {
+                w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+            }
         assert set(after) == set(before)
         assert all(after[name] != before[name] for name in before), (before, after)
 

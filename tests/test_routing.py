@@ -6,7 +6,8 @@ from prefect_gpu_dask.routing import TagRouter, parse_gpu_tag, satisfiable, vali
 
 
 @pytest.mark.parametrize(
-    "tag, amount", [("gpu", 1.0), ("gpu:0.5", 0.5), ("gpu:2", 2.0), ("gpu:0.25", 0.25), ("etl", None)]
+    "tag, amount",
+    [("gpu", 1.0), ("gpu:0.5", 0.5), ("gpu:2", 2.0), ("gpu:0.25", 0.25), ("etl", None)],
 )
 def test_gpu_tags(tag, amount):
     assert parse_gpu_tag(tag) == amount

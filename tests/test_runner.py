@@ -44,7 +44,12 @@ def test_gpu_tasks_run_only_on_the_gpu_worker(remote_cluster):
         free = anywhere.map(range(16))
         with tags("gpu"):
             ctx = anywhere.submit(99)
-        return [f.result() for f in gpu], [f.result() for f in mapped], [f.result() for f in free], ctx.result()
+        return (
+            [f.result() for f in gpu],
+            [f.result() for f in mapped],
+            [f.result() for f in free],
+            ctx.result(),
+        )
 
     gpu, mapped, free, ctx = routed()
     assert set(gpu) == {"gpu-worker"}
@@ -58,7 +63,11 @@ def test_custom_tag_map_routes(remote_cluster):
     def big() -> str:
         return distributed.get_worker().name
 
-    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, tag_resources={"big": {"GPU": 1}}))
+    @flow(
+        task_runner=GPUDaskTaskRunner(
+            address=remote_cluster.address, tag_resources={"big": {"GPU": 1}}
+        )
+    )
     def custom():
         return [big.submit().result() for _ in range(4)]
 
@@ -100,7 +109,10 @@ def test_missing_gpu_falls_back_to_cpu_with_a_warning(remote_cluster):
 
     name, task_run_id = fallback()
     assert name in {"gpu-worker", "cpu-worker"}
-    assert any("running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead"))
+    assert any(
+        "running on CPU instead" in line
+        for line in task_run_logs(task_run_id, "running on CPU instead")
+    )
 
 
 def test_missing_gpu_error_fails_fast(remote_cluster):
@@ -129,7 +141,10 @@ def test_default_runner_without_gpus_runs_gpu_tasks_on_cpu():
 
     name, task_run_id = default()
     assert name == 0
-    assert any("running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead"))
+    assert any(
+        "running on CPU instead" in line
+        for line in task_run_logs(task_run_id, "running on CPU instead")
+    )
 
 
 def test_default_runner_error_mode_fails_within_bound():

@@ -1,0 +1,144 @@
+"""The real path on a GPU: LocalCUDACluster, NVML, CuPy pools. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from prefect import flow, task
+from prefect.context import FlowRunContext
+
+from prefect_gpu_dask import GPUDaskTaskRunner
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+GiB = 2**30
+_KEPT: list = []  # lives in the worker process: what a leaking task holds on to
+
+
+@task(tags=["gpu"])
+def device_report() -> dict:
+    import cupy
+    import distributed
+
+    worker = distributed.get_worker()
+    x = cupy.arange(10) ** 2
+    return {
+        "worker": worker.address,
+        "resources": dict(worker.state.total_resources),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "array_type": type(x).__module__ + "." + type(x).__name__,
+        "device": x.device.id,
+        "sum": int(x.sum()),
+        "pid": os.getpid(),
+    }
+
+
+@task(tags=["gpu"])
+def plant_leak(nbytes: int) -> int:
+    import cupy
+
+    _KEPT.append(cupy.ones(nbytes // 8, dtype=cupy.float64))
+    return os.getpid()
+
+
+@task(tags=["gpu"])
+def churn_pool(nbytes: int) -> float:
+    import cupy
+
+    x = cupy.ones(nbytes // 8, dtype=cupy.float64)  # through CuPy's pool
+    total = float(x.sum())
+    del x  # freed to the pool, which keeps the block cached
+    return total
+
+
+@task(tags=["gpu"])
+def pid() -> int:
+    return os.getpid()
+
+
+@task(tags=["gpu"])
+def out_of_memory() -> None:
+    import cupy
+
+    cupy.empty(10**15, dtype=cupy.uint8)  # a petabyte: no GPU has it
+
+
+def test_default_runner_starts_local_cuda_cluster_with_gpu_labels():
+    @flow(task_runner=GPUDaskTaskRunner())
+    def on_gpu():
+        runner = FlowRunContext.get().task_runner
+        return (
+            device_report.submit().result(),
+            type(runner._cluster).__name__,
+            [
+                w.get("resources")
+                for w in runner._client.scheduler_info(n_workers=-1)["workers"].values()
+            ],
+        )
+
+    report, cluster_name, resources = on_gpu()
+    print("report:", report, "cluster:", cluster_name, "workers:", resources)
+    assert cluster_name == "LocalCUDACluster"
+    assert resources and all(r.get("GPU") == 1 for r in resources)
+    assert report["array_type"] == "cupy.ndarray" and report["sum"] == 285
+    assert report["resources"].get("GPU") == 1
+    assert report["device"] == 0  # each worker sees its own GPU first
+
+
+def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
+    @flow(task_runner=GPUDaskTaskRunner(leak_threshold="256MiB"))
+    def leaky_night():
+        churn = [churn_pool.submit(4 * GiB).result() for _ in range(2)]
+        old = plant_leak.submit(512 * MiB).result()
+        runner = FlowRunContext.get().task_runner
+        deadline = time.monotonic() + 60
+        new = old
+        while new == old and time.monotonic() < deadline:
+            new = pid.submit().result()
+            time.sleep(0.1)
+        return churn, old, new, list(runner._restarts.restarts), runner._records()
+
+    churn, old, new, restarts, records = leaky_night()
+    print("restarts:", restarts)
+    for record in records:
+        print(
+            "record:",
+            {
+                k: record[k]
+                for k in (
+                    "task_run_name",
+                    "verdict",
+                    "before",
+                    "after",
+                    "peak",
+                    "delta",
+                    "duration_s",
+                )
+            },
+        )
+    assert churn == [float(4 * GiB // 8)] * 2
+    assert new != old, "the leaking worker was not restarted"
+    verdicts = {r["task_run_name"].rsplit("-", 1)[0]: r["verdict"] for r in records}
+    assert verdicts["plant_leak"] == "leak"
+    assert verdicts["churn_pool"] in {"cached", "clean"}
+    churn_records = [r for r in records if r["task_run_name"].startswith("churn_pool")]
+    assert all(r["peak"] - r["before"] >= 4 * GiB * 0.9 for r in churn_records[:1]), churn_records
+    [restart] = restarts
+    assert restart["reason"].startswith("leak")
+    assert restart["memory_after"] < restart["memory_before"] - 400 * MiB  # the 512 MiB is gone
+    assert restart["recovery_s"] < 10
+
+
+def test_out_of_memory_fails_the_task_and_the_gpu_recovers():
+    @flow(task_runner=GPUDaskTaskRunner())
+    def oom():
+        failed = out_of_memory.submit()
+        failed.wait()
+        return failed.state, device_report.submit().result()
+
+    state, report = oom()
+    assert state.is_failed()
+    assert "OutOfMemoryError" in state.message or "out of memory" in state.message.lower()
+    assert report["sum"] == 285
