@@ -1,6 +1,7 @@
 """GPU Dask as a first-class Prefect 3 task runner."""
 
 from prefect_gpu_dask.arrays import array_module, gpu_available
+from prefect_gpu_dask.collections import compute_on_gpus
 from prefect_gpu_dask.guard import GPUMemoryGuard
 from prefect_gpu_dask.policy import GuardSettings
 from prefect_gpu_dask.probe import MemoryProbe, MemorySample, NvmlProbe
@@ -17,6 +18,7 @@ __all__ = [
     "NvmlProbe",
     "TagRouter",
     "array_module",
+    "compute_on_gpus",
     "gpu_available",
     "parse_gpu_tag",
 ]
