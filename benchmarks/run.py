@@ -1,0 +1,358 @@
+"""Benchmarks: the product against what users would otherwise run, in one process.
+
+    python benchmarks/run.py                 # everything this host can run
+    python benchmarks/run.py --quick         # CPU-sized smoke run (any machine)
+
+Prints a table and writes ``benchmarks/results/<date>-<device>.json`` plus the headline
+figures to ``benchmarks/results/summary.json``. "Warm" means: the cluster is already
+up and the same computation ran once before; each figure is the best of ``--repeat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import dask
+import dask.array as da
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GiB = 2**30
+
+
+# -- helpers ----------------------------------------------------------------------
+def best_of(fn, repeat: int) -> float:
+    fn()  # warm-up: imports, kernels, pools
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def device_name() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        count = pynvml.nvmlDeviceGetCount()
+        name = name.decode() if isinstance(name, bytes) else name
+        return f"{count}x {name}" if count > 1 else name
+    except Exception:
+        return f"CPU only ({os.cpu_count()} cores)"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("prefect", "prefect_dask", "dask", "distributed", "dask_cuda", "cupy"):
+        try:
+            module = __import__(name)
+            out[name] = getattr(module, "__version__", "?")
+        except Exception:
+            pass
+    return out
+
+
+def speed_cube_expr(n: int, chunk: int, gpu: bool):
+    """The seed's speed-cube: mean of x[::2, ::2] + 1 for x ~ N(10, 1); about 11."""
+    if gpu:
+        import cupy
+
+        rs = da.random.RandomState(RandomState=cupy.random.RandomState)
+    else:
+        rs = da.random.RandomState()
+    x = rs.normal(10, 1, size=(n, n), chunks=(chunk, chunk))
+    return (x[::2, ::2] + 1).mean()
+
+
+def check_cube(value: Any) -> float:
+    value = float(value)
+    assert abs(value - 11) < 0.01, f"speed-cube mean {value} is not ~11"
+    return value
+
+
+# -- (a) speed-cube ---------------------------------------------------------------
+def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> dict[str, Any]:
+    from prefect import flow, task
+
+    from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus
+
+    out: dict[str, Any] = {"n": n, "chunk": chunk, "cpu_n": cpu_n}
+    # The host's cores, threads scheduler, NumPy.
+    cpu_s = best_of(lambda: check_cube(speed_cube_expr(cpu_n, chunk, False).compute(scheduler="threads")), 1)
+    out["cpu_threads_s"] = cpu_s * (n / cpu_n) ** 2  # scaled to the full size if run smaller
+    out["cpu_threads_measured_s"] = cpu_s
+    if not gpu:
+        return out
+    out["raw_threads_s"] = best_of(
+        lambda: check_cube(speed_cube_expr(n, chunk, True).compute(scheduler="threads")), repeat
+    )
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    with LocalCUDACluster(threads_per_worker=4) as cluster, Client(cluster) as client:
+        out["raw_local_cuda_cluster_s"] = best_of(
+            lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
+        )
+
+    @task(tags=["gpu"])
+    def cube() -> float:
+        return check_cube(compute_on_gpus(speed_cube_expr(n, chunk, True))[0])
+
+    @flow(task_runner=GPUDaskTaskRunner())
+    def through_runner() -> float:
+        return best_of(lambda: cube.submit().result(), repeat)
+
+    out["runner_s"] = through_runner()
+    return out
+
+
+# -- (b) per-task overhead --------------------------------------------------------
+def bench_per_task(n: int, gpu: bool) -> dict[str, Any]:
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect_dask import DaskTaskRunner
+
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    @task
+    def noop(i: int) -> int:
+        return i
+
+    def timed(runner) -> float:
+        @flow(task_runner=runner)
+        def many() -> float:
+            client = getattr(FlowRunContext.get().task_runner, "client", None)  # start the cluster first
+            del client
+            start = time.perf_counter()
+            results = [f.result() for f in noop.map(range(n))]
+            assert results == list(range(n))
+            return time.perf_counter() - start
+
+        return many()
+
+    cluster = {"threads_per_worker": 4} if gpu else {"n_workers": 1, "threads_per_worker": 4}
+    cuda = "dask_cuda.LocalCUDACluster" if gpu else None
+    dask_kwargs = {"cluster_class": cuda, "cluster_kwargs": {**cluster, **({"resources": {"GPU": 1}} if gpu else {})}}
+    out = {"n": n, "threadpool_s": timed(ThreadPoolTaskRunner(max_workers=16))}
+    out["runner_s"] = timed(GPUDaskTaskRunner(cluster_kwargs=cluster, guard="off"))
+    noop_gpu = noop.with_options(tags=["gpu"])
+
+    @flow(task_runner=GPUDaskTaskRunner(cluster_kwargs=cluster, guard="gpu"))
+    def guarded_many() -> float:
+        FlowRunContext.get().task_runner.client  # noqa: B018
+        start = time.perf_counter()
+        assert [f.result() for f in noop_gpu.map(range(n))] == list(range(n))
+        return time.perf_counter() - start
+
+    out["runner_guarded_gpu_tasks_s"] = guarded_many()
+    if n <= 200:  # prefect-dask pays ~0.1 s a task: 1,000 would take minutes
+        out["prefect_dask_s"] = timed(DaskTaskRunner(**{k: v for k, v in dask_kwargs.items() if v}))
+    return out
+
+
+# -- (c) guard cost ---------------------------------------------------------------
+def bench_guard(samples: int) -> dict[str, Any]:
+    """begin()+end() of the guard around an empty task, with the real NVML probe."""
+    import asyncio
+
+    from prefect_gpu_dask.guard import GPUMemoryGuard
+
+    class FakeWorker:
+        address, name = "bench", "bench"
+
+        def log_event(self, topic, msg):
+            pass
+
+    guard = GPUMemoryGuard()
+    asyncio.run(guard.setup(FakeWorker()))
+    if not guard.active:
+        return {"guard_us": None, "note": "no GPU: the guard is a no-op"}
+    costs = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        ticket, before, started = guard.begin()
+        guard.end(ticket, before, started)
+        costs.append(time.perf_counter() - start)
+    return {
+        "guard_us": statistics.median(costs) * 1e6,
+        "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
+        "samples": samples,
+    }
+
+
+# -- (d) leak -> recovered, (e) cluster start ---------------------------------------
+def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    @task(tags=["gpu"])
+    def leak() -> int:
+        import cupy
+
+        leak.kept = cupy.ones(512 * 2**20 // 8)  # noqa: B010  # held by the task object: a leak
+        return os.getpid()
+
+    @task(tags=["gpu"])
+    def pid() -> int:
+        return os.getpid()
+
+    @flow(task_runner=GPUDaskTaskRunner(leak_threshold="256MiB"))
+    def leaky() -> dict[str, Any]:
+        runner = FlowRunContext.get().task_runner
+        start = time.perf_counter()
+        runner.client  # noqa: B018
+        started = time.perf_counter() - start
+        if not gpu:
+            return {"cluster_start_s": started}
+        old = leak.submit().result()
+        deadline = time.monotonic() + 60
+        while not runner._restarts.restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pid.submit().result() != old
+        [restart] = runner._restarts.restarts
+        return {"cluster_start_s": started, "leak_recovery_s": restart["recovery_s"], "restart": restart}
+
+    return leaky()
+
+
+# -- (f) scaling ------------------------------------------------------------------
+def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
+    import pynvml
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    pynvml.nvmlInit()
+    count = pynvml.nvmlDeviceGetCount()
+    out: dict[str, Any] = {"gpus": count}
+    for k in sorted({1, 2, 4, 8, count}):
+        if k > count:
+            continue
+        devices = ",".join(str(i) for i in range(k))
+        with LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=4) as cl, Client(cl) as client:
+            out[f"{k}gpu_s"] = best_of(
+                lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
+            )
+    for k in (2, 4, 8):
+        if f"{k}gpu_s" in out:
+            out[f"scaling_{k}gpu"] = out["1gpu_s"] / out[f"{k}gpu_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small CPU-sized run")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sections", default="cube,tasks,guard,leak,scaling")
+    parser.add_argument("--tasks", default="200,1000")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    from prefect_gpu_dask import gpu_available
+
+    gpu = gpu_available() and not args.quick
+    n, chunk = (100_000, 10_000) if gpu else (4_000, 1_000)
+    sections = set(args.sections.split(","))
+    result: dict[str, Any] = {
+        "device": device_name(),
+        "date": date.today().isoformat(),
+        "host_cores": os.cpu_count(),
+        "versions": versions(),
+        "warm": "cluster already up; best of --repeat after one warm-up run",
+    }
+    from prefect.testing.utilities import prefect_test_harness
+
+    # Every runner reports to the same real API server (SQLite), as a deployment would.
+    with prefect_test_harness(server_startup_timeout=120):
+        run_sections(result, sections, args, gpu, n, chunk)
+    write(result, args.out)
+
+
+def run_sections(result: dict[str, Any], sections: set[str], args: Any, gpu: bool, n: int, chunk: int) -> None:
+    if "cube" in sections:
+        result["speed_cube"] = bench_speed_cube(n, chunk, gpu, args.repeat, cpu_n=n if not gpu else 40_000)
+        print("speed_cube", json.dumps(result["speed_cube"]), flush=True)
+    if "tasks" in sections:
+        result["per_task"] = [bench_per_task(int(k), gpu) for k in args.tasks.split(",")]
+        print("per_task", json.dumps(result["per_task"]), flush=True)
+    if "guard" in sections:
+        result["guard"] = bench_guard(2000)
+        print("guard", json.dumps(result["guard"]), flush=True)
+    if "leak" in sections:
+        result["leak"] = bench_leak_and_start(gpu)
+        print("leak", json.dumps(result["leak"], default=str), flush=True)
+    if "scaling" in sections and gpu:
+        result["scaling"] = bench_scaling(n, chunk, args.repeat)
+        print("scaling", json.dumps(result["scaling"]), flush=True)
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    slug = result["device"].lower().replace(" ", "-").replace("(", "").replace(")", "")
+    path = out / f"{result['date']}-{slug}.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    cube = result.get("speed_cube", {})
+    per_task = {p["n"]: p for p in result.get("per_task", [])}
+    first = per_task.get(200) or next(iter(per_task.values()), {})
+    summary = {
+        "device": result["device"],
+        "date": result["date"],
+        "warm": result["warm"],
+        "speed_cube": {k: cube.get(k) for k in ("runner_s", "raw_threads_s", "cpu_threads_s", "raw_local_cuda_cluster_s")},
+        "per_task": {k: first.get(k) for k in ("n", "threadpool_s", "prefect_dask_s", "runner_s", "runner_guarded_gpu_tasks_s")},
+        "guard_us": result.get("guard", {}).get("guard_us"),
+        "leak_recovery_s": result.get("leak", {}).get("leak_recovery_s"),
+        "cluster_start_s": result.get("leak", {}).get("cluster_start_s"),
+        "scaling_2gpu": result.get("scaling", {}).get("scaling_2gpu"),
+        "source": path.name,
+    }
+    if result["device"].startswith("CPU only"):
+        print("(CPU-only run: summary.json is kept for GPU figures)")
+    else:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_table(result)
+    print(f"wrote {path}")
+
+
+def print_table(result: dict[str, Any]) -> None:
+    def fmt(v: Any) -> str:
+        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+    print(f"\n{result['device']} — {result['date']}")
+    cube = result.get("speed_cube", {})
+    rows = [
+        ("speed-cube via GPUDaskTaskRunner (s)", cube.get("runner_s")),
+        ("speed-cube raw Dask threads on GPU (s)", cube.get("raw_threads_s")),
+        ("speed-cube raw LocalCUDACluster (s)", cube.get("raw_local_cuda_cluster_s")),
+        ("speed-cube host CPU threads (s)", cube.get("cpu_threads_s")),
+    ]
+    for p in result.get("per_task", []):
+        for key in ("threadpool_s", "prefect_dask_s", "runner_s", "runner_guarded_gpu_tasks_s"):
+            rows.append((f"{p['n']} trivial tasks: {key} (s)", p.get(key)))
+    rows += [
+        ("guard per task (µs, median)", result.get("guard", {}).get("guard_us")),
+        ("leak -> memory recovered (s)", result.get("leak", {}).get("leak_recovery_s")),
+        ("cluster start (s)", result.get("leak", {}).get("cluster_start_s")),
+    ]
+    for k, v in result.get("scaling", {}).items():
+        rows.append((f"scaling {k}", v))
+    width = max(len(r[0]) for r in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {fmt(value)}")
+
+
+if __name__ == "__main__":
+    main()
