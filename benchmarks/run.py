@@ -218,13 +218,31 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         started = time.perf_counter() - start
         if not gpu:
             return {"cluster_start_s": started}
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used  # noqa: E731
+        pid.submit().result()  # the worker has its CUDA context: the baseline
+        baseline = used()
         old = leak.submit().result()
+        leaked_at = time.perf_counter()
+        leaked = used() - baseline
         deadline = time.monotonic() + 60
+        while used() > baseline + 64 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        recovered_s = time.perf_counter() - leaked_at
         while not runner._restarts.restarts and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pid.submit().result() != old
         [restart] = runner._restarts.restarts
-        return {"cluster_start_s": started, "leak_recovery_s": restart["recovery_s"], "restart": restart}
+        return {
+            "cluster_start_s": started,
+            "leaked_bytes": leaked,
+            "leak_recovery_s": recovered_s,  # leak verdict -> device memory back at baseline
+            "worker_back_s": restart["recovery_s"],  # -> replacement worker ready
+            "restart": restart,
+        }
 
     return leaky()
 

@@ -52,13 +52,35 @@ def release_allocator_caches() -> None:
     # re-sample only, and its pool size belongs in leak_threshold.
 
 
-def _ensure_cuda_context() -> None:
-    """Create this process's CUDA context now, so the first task is not blamed for it."""
+def cached_allocator_bytes() -> int:
+    """Device bytes that allocator pools hold as free blocks (reusable, not leaked)."""
+    cached = 0
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        pool = cupy.get_default_memory_pool()
+        cached += pool.total_bytes() - pool.used_bytes()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        cached += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return cached
+
+
+def _create_cuda_context() -> bool:
+    """Create this process's CUDA context, so a task is not blamed for it (~500 MiB)."""
     try:
         import cupy
+
+        cupy.cuda.runtime.memGetInfo()
+        return True
     except ImportError:
-        return
-    cupy.cuda.runtime.memGetInfo()
+        pass
+    try:
+        from numba import cuda
+
+        cuda.current_context()
+        return True
+    except ImportError:
+        return False
 
 
 class PeakSampler:
@@ -140,7 +162,8 @@ class GPUMemoryGuard(WorkerPlugin):
         if self.probe is None:
             logger.info("No GPU on worker %s: GPU memory guard is a no-op", worker.address)
             return
-        _ensure_cuda_context()
+        # The CUDA context is created lazily by the first guarded task (begin()): a
+        # worker that never runs one pays nothing, and the cluster starts faster.
         await self._wait_for_previous_process_memory()
         self.baseline = self.probe.sample()
         self._sampler = PeakSampler(self.probe)
@@ -170,6 +193,8 @@ class GPUMemoryGuard(WorkerPlugin):
         self._tickets += 1
         ticket = self._tickets
         before = self.probe.sample()
+        if before.process == 0 and _create_cuda_context():
+            before = self.probe.sample()  # the context is the process's, not the task's
         self._sampler.start(ticket, before.judged)
         return ticket, before, time.perf_counter()
 
@@ -177,7 +202,12 @@ class GPUMemoryGuard(WorkerPlugin):
         duration = time.perf_counter() - started
         self.tasks_run += 1
         verdict = verdict_for(
-            self.probe, before, self.settings, self.tasks_run, release_allocator_caches
+            self.probe,
+            before,
+            self.settings,
+            self.tasks_run,
+            release_allocator_caches,
+            cached_bytes=cached_allocator_bytes,
         )
         peak = self._sampler.stop(ticket, verdict.after.judged)
         if verdict.restart_reason and self.restart_requested is None:

@@ -85,11 +85,19 @@ def judge(
     settings: GuardSettings,
     release_caches: Callable[[], None],
     sleep: Callable[[float], None] = time.sleep,
+    cached_bytes: Callable[[], int] = lambda: 0,
 ) -> tuple[str, MemorySample]:
-    """Sample after a task and decide clean / cached / leak, flushing only when needed."""
+    """Sample after a task and decide clean / cached / leak, flushing only when needed.
+
+    Growth that the allocators' own free blocks explain (``cached_bytes``) is judged
+    without flushing them, so warm pools stay warm for the next task.
+    """
     after = probe.sample()
-    if after.judged - before.judged <= settings.leak_threshold:
+    growth = after.judged - before.judged
+    if growth <= settings.leak_threshold:
         return CLEAN, after  # the hot path: two NVML reads, no flush
+    if growth - cached_bytes() <= settings.leak_threshold:
+        return CACHED, after
     release_caches()
     after = probe.sample()
     if after.judged - before.judged <= settings.leak_threshold:
@@ -111,7 +119,7 @@ def restart_reason(
     """Why this worker should be recycled now, or None."""
     if status == LEAK:
         return f"leak: task left {format_bytes(delta)} on the GPU (threshold {format_bytes(settings.leak_threshold)})"
-    if after.device_total and after.device_used / after.device_total > settings.memory_limit:
+    if over_limit(after, settings):
         return (
             f"memory limit: GPU {after.device_used / after.device_total:.0%} used "
             f"(limit {settings.memory_limit:.0%})"
@@ -121,6 +129,10 @@ def restart_reason(
     return None
 
 
+def over_limit(sample: MemorySample, settings: GuardSettings) -> bool:
+    return bool(sample.device_total) and sample.device_used / sample.device_total > settings.memory_limit
+
+
 def verdict_for(
     probe: MemoryProbe,
     before: MemorySample,
@@ -128,8 +140,13 @@ def verdict_for(
     tasks_run: int,
     release_caches: Callable[[], None],
     sleep: Callable[[float], None] = time.sleep,
+    cached_bytes: Callable[[], int] = lambda: 0,
 ) -> Verdict:
-    status, after = judge(probe, before, settings, release_caches, sleep)
+    status, after = judge(probe, before, settings, release_caches, sleep, cached_bytes)
+    if status != LEAK and over_limit(after, settings):
+        # Cached blocks count toward the device's use: give them back before recycling.
+        release_caches()
+        after = probe.sample()
     delta = after.judged - before.judged
     return Verdict(
         status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings)

@@ -108,3 +108,33 @@ def test_size_strings():
     assert GuardSettings(leak_threshold="1GiB").leak_threshold == GiB
     assert GuardSettings(leak_threshold="512 MB").leak_threshold == 512 * 10**6
     assert GuardSettings(leak_threshold=4096).leak_threshold == 4096
+
+
+def test_growth_explained_by_pool_free_blocks_is_judged_without_a_flush():
+    probe = ScriptedProbe(5 * GiB)
+    flushes = Flushes()
+    start = MemorySample(1 * GiB, 1 * GiB, probe.total)
+    verdict = verdict_for(probe, start, SETTINGS, 1, flushes, lambda s: None, cached_bytes=lambda: 4 * GiB)
+    assert (verdict.status, flushes.count) == (CACHED, 0)
+
+
+def test_pool_free_blocks_do_not_hide_a_leak():
+    # 4 GiB grew, only 1 GiB of it is free pool blocks: flush, re-sample, still a leak.
+    probe = ScriptedProbe(5 * GiB)
+    flushes = Flushes()
+    start = MemorySample(1 * GiB, 1 * GiB, probe.total)
+    verdict = verdict_for(probe, start, SETTINGS, 1, flushes, lambda s: None, cached_bytes=lambda: 1 * GiB)
+    assert (verdict.status, flushes.count) == (LEAK, 1)
+
+
+def test_over_limit_flushes_caches_before_recycling():
+    probe = ScriptedProbe(1 * GiB)
+    probe.device_used = int(0.95 * probe.total)
+    flushes = Flushes()
+
+    def flush():
+        flushes()
+        probe.device_used = int(0.5 * probe.total)  # the pool gave its blocks back
+
+    verdict = verdict_for(probe, MemorySample(1 * GiB, 1 * GiB, probe.total), SETTINGS, 1, flush, lambda s: None)
+    assert verdict.restart_reason is None and flushes.count == 1
