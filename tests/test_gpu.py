@@ -54,8 +54,38 @@ def churn_pool(nbytes: int) -> float:
 
 
 @task(tags=["gpu"])
-def pid() -> int:
-    return os.getpid()
+def pid() -> tuple[int, str]:
+    return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+
+
+@task(tags=["gpu"])
+def plant_leak_where(nbytes: int) -> tuple[int, str]:
+    plant_leak.fn(nbytes)
+    return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+
+
+@task(tags=["gpu"])
+def cupy_cube(n: int, chunk: int) -> tuple[float, int, int]:
+    """The speed-cube on CuPy chunks from inside a gpu task: spread, no deadlock."""
+    import cupy
+    import dask.array as da
+    import distributed
+
+    from prefect_gpu_dask import compute_on_gpus
+
+    x = da.random.RandomState(RandomState=cupy.random.RandomState).normal(
+        10, 1, size=(n, n), chunks=(chunk, chunk)
+    )
+    (mean,) = compute_on_gpus((x[::2, ::2] + 1).mean())
+    with distributed.worker_client() as client:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        held = set()
+        if len(workers) > 1:
+            persisted = client.persist(x)
+            distributed.wait(persisted)
+            held = {w for ws in client.who_has(persisted).values() for w in ws}
+            del persisted
+    return float(mean), len(workers), len(held)
 
 
 @task(tags=["gpu"])
@@ -72,10 +102,7 @@ def test_default_runner_starts_local_cuda_cluster_with_gpu_labels():
         return (
             device_report.submit().result(),
             type(runner._cluster).__name__,
-            [
-                w.get("resources")
-                for w in runner._client.scheduler_info(n_workers=-1)["workers"].values()
-            ],
+            [w.get("resources") for w in runner._client.scheduler_info(n_workers=-1)["workers"].values()],
         )
 
     report, cluster_name, resources = on_gpu()
@@ -91,12 +118,13 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
     @flow(task_runner=GPUDaskTaskRunner(leak_threshold="256MiB"))
     def leaky_night():
         churn = [churn_pool.submit(4 * GiB).result() for _ in range(2)]
-        old = plant_leak.submit(512 * MiB).result()
+        old, device = plant_leak_where.submit(512 * MiB).result()
         runner = FlowRunContext.get().task_runner
         deadline = time.monotonic() + 60
         new = old
         while new == old and time.monotonic() < deadline:
-            new = pid.submit().result()
+            new_pid, new_device = pid.submit().result()
+            new = new_pid if new_device == device else old  # another GPU's worker: ask again
             time.sleep(0.1)
         return churn, old, new, list(runner._restarts.restarts), runner._records()
 
@@ -121,7 +149,7 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
     assert churn == [float(4 * GiB // 8)] * 2
     assert new != old, "the leaking worker was not restarted"
     verdicts = {r["task_run_name"].rsplit("-", 1)[0]: r["verdict"] for r in records}
-    assert verdicts["plant_leak"] == "leak"
+    assert verdicts["plant_leak_where"] == "leak"
     assert verdicts["churn_pool"] in {"cached", "clean"}
     churn_records = [r for r in records if r["task_run_name"].startswith("churn_pool")]
     assert all(r["peak"] - r["before"] >= 4 * GiB * 0.9 for r in churn_records[:1]), churn_records
@@ -136,9 +164,22 @@ def test_out_of_memory_fails_the_task_and_the_gpu_recovers():
     def oom():
         failed = out_of_memory.submit()
         failed.wait()
-        return failed.state, device_report.submit().result()
+        # Every GPU (with two workers, the OOM's own among them) still runs work.
+        return failed.state, [device_report.submit().result() for _ in range(6)]
 
-    state, report = oom()
+    state, reports = oom()
     assert state.is_failed()
     assert "OutOfMemoryError" in state.message or "out of memory" in state.message.lower()
-    assert report["sum"] == 285
+    assert all(report["sum"] == 285 for report in reports)
+
+
+def test_gpu_task_computes_a_collection_over_every_gpu():
+    @flow(task_runner=GPUDaskTaskRunner())
+    def cube():
+        return cupy_cube.submit(20_000, 2_000).result(timeout=300)
+
+    mean, workers, held = cube()
+    print("speed-cube mean", mean, "workers", workers, "workers holding chunks", held)
+    assert abs(mean - 11) < 0.01
+    if workers > 1:
+        assert held == workers

@@ -63,11 +63,7 @@ def test_custom_tag_map_routes(remote_cluster):
     def big() -> str:
         return distributed.get_worker().name
 
-    @flow(
-        task_runner=GPUDaskTaskRunner(
-            address=remote_cluster.address, tag_resources={"big": {"GPU": 1}}
-        )
-    )
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, tag_resources={"big": {"GPU": 1}}))
     def custom():
         return [big.submit().result() for _ in range(4)]
 
@@ -110,8 +106,7 @@ def test_missing_gpu_falls_back_to_cpu_with_a_warning(remote_cluster):
     name, task_run_id = fallback()
     assert name in {"gpu-worker", "cpu-worker"}
     assert any(
-        "running on CPU instead" in line
-        for line in task_run_logs(task_run_id, "running on CPU instead")
+        "running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead")
     )
 
 
@@ -142,8 +137,7 @@ def test_default_runner_without_gpus_runs_gpu_tasks_on_cpu():
     name, task_run_id = default()
     assert name == 0
     assert any(
-        "running on CPU instead" in line
-        for line in task_run_logs(task_run_id, "running on CPU instead")
+        "running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead")
     )
 
 
@@ -228,3 +222,31 @@ def test_security_round_trips(tmp_path):
     assert clone.security is not None
     assert clone.client_kwargs["security"] is not None
     assert "security" not in clone._arguments()["client_kwargs"]
+
+
+@task(tags=["gpu"])
+def cube_mean(n: int, chunk: int) -> tuple[float, int]:
+    import dask.array as da
+
+    from prefect_gpu_dask import compute_on_gpus
+
+    x = da.random.RandomState(0).normal(10, 1, size=(n, n), chunks=(chunk, chunk))
+    (mean,) = compute_on_gpus((x[::2, ::2] + 1).mean())
+    return float(mean), len(distributed.get_client().scheduler_info(n_workers=-1)["workers"])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gpu_task_computing_a_collection_cannot_deadlock(dask_processes, workers):
+    # One thread per worker and one GPU slot each: the task holds both while it waits.
+    dask_processes.start_scheduler()
+    for i in range(workers):
+        dask_processes.start_worker(f"gpu-{i}", "--nthreads", "1", "--resources", "GPU=1")
+    dask_processes.wait_for_workers(workers)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=dask_processes.address))
+    def cube():
+        return cube_mean.submit(2000, 500).result(timeout=120)
+
+    mean, seen = cube()
+    assert abs(mean - 11) < 0.01
+    assert seen == workers
