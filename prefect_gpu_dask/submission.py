@@ -12,27 +12,28 @@ serialised per task exactly as prefect-dask does.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 from typing import Any
 from uuid import uuid4
 
+import cloudpickle
 import distributed
-from prefect.context import SettingsContext, SyncClientContext, serialize_context
+from prefect.context import EngineContext, SettingsContext, SyncClientContext, serialize_context
 from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
 
 
-class _SerializedSettings:
-    """Stands in for the current ``SettingsContext`` while Prefect serialises the rest."""
+class _Serialized:
+    """Stands in for a context object while Prefect serialises the current context.
 
-    def __init__(self, real: SettingsContext, serialized: dict[str, Any]):
+    Everything reads through to the real object; only ``serialize()`` is answered
+    from the copy made the first time.
+    """
+
+    def __init__(self, real: Any):
         self._real = real
-        self._serialized = serialized
-        self.settings = real.settings
-        self.profile = real.profile
+        self._serialized = real.serialize()
 
     def serialize(self, include_secrets: bool = True) -> dict[str, Any]:
         return self._serialized
@@ -41,28 +42,59 @@ class _SerializedSettings:
         return getattr(self._real, name)
 
 
+class Shared:
+    """An object pickled once on the flow side and unpickled once per worker process."""
+
+    __slots__ = ("token", "blob")
+
+    def __init__(self, value: Any):
+        self.token = uuid4().hex
+        self.blob = cloudpickle.dumps(value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_shared_from, (self.token, self.blob))
+
+
+def _shared_from(token: str, blob: bytes) -> Shared:
+    shared = Shared.__new__(Shared)
+    shared.token, shared.blob = token, blob
+    return shared
+
+
 class TaskSubmitter:
-    """Flow side: turns a Prefect task + parameters into one ``Client.submit`` call."""
+    """Flow side: turns a Prefect task + parameters into one ``Client.submit`` call.
+
+    What is fixed for a flow run travels as ``Shared`` blobs: the task object, the
+    settings and the flow-run context (whose result-store block alone costs ~7 ms to
+    dump, as it regenerates the block's JSON schema). Only the task run's own
+    parameters and ids are pickled per task.
+    """
 
     def __init__(self) -> None:
-        self._settings_for: tuple[SettingsContext, str, _SerializedSettings] | None = None
+        self._stand_ins: dict[type, tuple[Any, _Serialized]] = {}
+        self._shared: dict[tuple[str, int], tuple[Any, Shared]] = {}
 
-    def _settings(self) -> tuple[str, _SerializedSettings]:
-        current = SettingsContext.get()
-        cached = self._settings_for
+    def _stand_in(self, context_type: Any) -> _Serialized | None:
+        current = context_type.get()
+        if current is None:
+            return None
+        cached = self._stand_ins.get(context_type)
         if cached is None or cached[0] is not current:
-            serialized = current.serialize()
-            token = hashlib.sha256(
-                json.dumps(serialized, sort_keys=True, default=str).encode()
-            ).hexdigest()
-            cached = self._settings_for = (current, token, _SerializedSettings(current, serialized))
-        return cached[1], cached[2]
+            cached = self._stand_ins[context_type] = (current, _Serialized(current))
+        return cached[1]
 
-    def context(
-        self, task: Any, task_run_id: Any, dependencies: dict[str, Any]
-    ) -> tuple[str, dict]:
-        token, stand_in = self._settings()
-        reset = SettingsContext.__var__.set(stand_in)  # type: ignore[arg-type]
+    def _share(self, kind: str, owner: Any, value: Any) -> Shared:
+        cached = self._shared.get((kind, id(owner)))
+        if cached is None or cached[0] is not owner:
+            cached = self._shared[(kind, id(owner))] = (owner, Shared(value))
+        return cached[1]
+
+    def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
+        settings = self._stand_in(SettingsContext)
+        engine = self._stand_in(EngineContext)
+        resets = [(SettingsContext.__var__, SettingsContext.__var__.set(settings))]
+        if engine is not None:
+            resets.append((EngineContext.__var__, EngineContext.__var__.set(engine)))
         try:
             context = serialize_context(
                 asset_ctx_kwargs={
@@ -73,8 +105,12 @@ class TaskSubmitter:
                 }
             )
         finally:
-            SettingsContext.__var__.reset(reset)
-        return token, context
+            for var, token in reversed(resets):
+                var.reset(token)
+        context["settings_context"] = self._share("settings", settings, context["settings_context"])
+        if engine is not None:
+            context["flow_run_context"] = self._share("flow", engine, context["flow_run_context"])
+        return context
 
     def submit(
         self,
@@ -90,19 +126,15 @@ class TaskSubmitter:
             for name, value in parameters.items()
         }
         if dependencies:
-            inputs = {
-                name: deps.union(dependencies.get(name, set())) for name, deps in inputs.items()
-            }
-        token, context = self.context(task, task_run_id, inputs)
+            inputs = {name: deps.union(dependencies.get(name, set())) for name, deps in inputs.items()}
         future = client.submit(
             run_prefect_task,
-            task=task,
+            task=self._share("task", task, task),
             task_run_id=task_run_id,
             parameters=parameters,
             wait_for=wait_for,
             dependencies=inputs,
-            context=context,
-            settings_token=token,
+            context=self.context(task, task_run_id, inputs),
             key=f"{task.name}-{task_run_id.hex}",
             pure=False,
         )
@@ -110,39 +142,55 @@ class TaskSubmitter:
         return future
 
 
-_worker_contexts: OrderedDict[str, tuple[SettingsContext, SyncClientContext]] = OrderedDict()
+_worker_cache: OrderedDict[str, Any] = OrderedDict()
 _worker_lock = threading.Lock()
+WORKER_CACHE_SIZE = 256
 
 
-def _worker_contexts_for(
-    token: str, serialized: dict[str, Any]
-) -> tuple[SettingsContext, SyncClientContext]:
-    """This process's settings and API client for ``token``, built once.
-
-    A fresh ``SyncPrefectClient`` costs ~20 ms (mostly a new SSL context) and the
-    engine builds two per task unless one is already in context.
-    """
+def _cached(token: str, build: Any) -> Any:
+    """This worker process's object for ``token``, built once (LRU)."""
     with _worker_lock:
-        cached = _worker_contexts.get(token)
-        if cached is None:
-            settings = SettingsContext(**serialized)
-            reset = SettingsContext.__var__.set(settings)
-            try:
-                clients = SyncClientContext()
-                clients.client.__enter__()  # kept open for the life of the worker
-            finally:
-                SettingsContext.__var__.reset(reset)
-            cached = _worker_contexts[token] = (settings, clients)
-            while len(_worker_contexts) > 8:
-                _worker_contexts.popitem(last=False)
-        return cached
+        if token in _worker_cache:
+            _worker_cache.move_to_end(token)
+            return _worker_cache[token]
+        value = _worker_cache[token] = build()
+        while len(_worker_cache) > WORKER_CACHE_SIZE:
+            _worker_cache.popitem(last=False)
+        return value
 
 
-def run_prefect_task(
-    *, task: Any, context: dict[str, Any], settings_token: str, **run_kwargs: Any
-) -> Any:
+def _unshare(shared: Shared | Any) -> Any:
+    if not isinstance(shared, Shared):
+        return shared
+    return _cached(shared.token, lambda: cloudpickle.loads(shared.blob))
+
+
+def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientContext]:
+    """Settings and an open API client for this flow run, made once per worker process.
+
+    Re-validating settings costs ~20 ms (pydantic-settings re-reads the environment),
+    and a fresh ``SyncPrefectClient`` ~20 ms (a new SSL context); the engine would
+    build two clients per task unless one is already in context.
+    """
+
+    def build() -> tuple[SettingsContext, SyncClientContext]:
+        settings = SettingsContext(**cloudpickle.loads(shared.blob))
+        reset = SettingsContext.__var__.set(settings)
+        try:
+            clients = SyncClientContext()
+            clients.client.__enter__()  # kept open for the life of the worker
+        finally:
+            SettingsContext.__var__.reset(reset)
+        return settings, clients
+
+    return _cached(f"settings-{shared.token}", build)
+
+
+def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
-    settings, clients = _worker_contexts_for(settings_token, context.pop("settings_context"))
+    task = _unshare(task)
+    settings, clients = _settings_and_client(context.pop("settings_context"))
+    context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.
     settings_reset = SettingsContext.__var__.set(settings)
     clients_reset = SyncClientContext.__var__.set(clients)
