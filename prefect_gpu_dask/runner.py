@@ -44,6 +44,7 @@ ON_MISSING_GPU = ("cpu", "error")
 # How long a scheduler keeps a task nobody can run before failing it ("error" mode).
 NO_WORKERS_TIMEOUT = "10s"
 RESOURCE_REFRESH_S = 1.0
+MISS_REFRESH_S = 0.1
 
 
 class MissingResourceError(RuntimeError):
@@ -300,10 +301,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
         self._guard_on = True
 
-    def _offered_resources(self, force: bool = False) -> list[dict[str, float]]:
-        """Resources each worker advertises; refreshed at most once a second."""
+    def _offered_resources(
+        self, force: bool = False, max_age: float = RESOURCE_REFRESH_S
+    ) -> list[dict[str, float]]:
+        """Resources each worker advertises, at most ``max_age`` seconds old."""
         now = time.monotonic()
-        if force or now - self._offered_at > RESOURCE_REFRESH_S:
+        if force or now - self._offered_at > max_age:
             info = self._client.scheduler_info(n_workers=-1)
             self._offered = [w.get("resources") or {} for w in info["workers"].values()]
             self._offered_at = now
@@ -360,7 +363,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _satisfiable(self, resources: dict[str, float]) -> bool:
         if satisfiable(resources, self._offered_resources()):
             return True
-        return satisfiable(resources, self._offered_resources(force=True))
+        # A worker may just have joined: look again, but not on every submit.
+        return satisfiable(resources, self._offered_resources(max_age=MISS_REFRESH_S))
 
     def _wrapped(
         self, task: Any, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
