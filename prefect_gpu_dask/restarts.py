@@ -8,6 +8,7 @@ instead of a Dask key that would vanish and be recomputed (a task run twice).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -104,7 +105,11 @@ class RestartCoordinator:
         self.restarts: list[dict[str, Any]] = []
         self._requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._pending: set[str] = set()
-        self._thread = threading.Thread(target=self._run, name="gpu-restarts", daemon=True)
+        # Run in the flow's context: events must reach the flow's API, not the process default.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="gpu-restarts", daemon=True
+        )
         self._thread.start()
 
     def request(self, record: dict[str, Any]) -> None:
