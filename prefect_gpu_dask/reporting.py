@@ -95,7 +95,9 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
     for record in records:
         per_gpu[f"GPU {record['gpu_index']} ({record['gpu_uuid']})"][record["verdict"]] += 1
     leaks = [r for r in records if r["verdict"] == LEAK]
-    top = sorted(records, key=lambda r: r.get("peak") or 0, reverse=True)[:5]
+    # Rank by what each task itself added at its peak, not the process-wide figure.
+    growth = {id(r): max(0, (r.get("peak") or 0) - (r.get("before") or 0)) for r in records}
+    top = sorted(records, key=lambda r: growth[id(r)], reverse=True)[:5]
     lines = [
         "# GPU memory summary",
         "",
@@ -126,16 +128,16 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
     ] or ["None."]
     lines += [
         "",
-        "## Top memory consumers (peak)",
+        "## Top memory consumers",
         "",
-        "| task run | peak | delta |",
+        "| task run | peak growth | delta |",
         "|---|---:|---:|",
     ]
-    peak_max = max((r.get("peak") or 0 for r in top), default=0) or 1
+    scale = max((growth[id(r)] for r in top), default=0) or 1
     for r in top:
-        bar = "█" * max(1, round(20 * (r.get("peak") or 0) / peak_max))
+        bar = "█" * round(20 * growth[id(r)] / scale)
         lines.append(
-            f"| {r['task_run_name']} | {format_bytes(r.get('peak') or 0)} {bar} | {format_bytes(r['delta'])} |"
+            f"| {r['task_run_name']} | {format_bytes(growth[id(r)])} {bar} | {format_bytes(r['delta'])} |"
         )
     return "\n".join(lines) + "\n"
 
