@@ -20,7 +20,6 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import dask
 import dask.array as da
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -144,7 +143,10 @@ def bench_per_task(n: int, gpu: bool) -> dict[str, Any]:
 
     cluster = {"threads_per_worker": 4} if gpu else {"n_workers": 1, "threads_per_worker": 4}
     cuda = "dask_cuda.LocalCUDACluster" if gpu else None
-    dask_kwargs = {"cluster_class": cuda, "cluster_kwargs": {**cluster, **({"resources": {"GPU": 1}} if gpu else {})}}
+    dask_kwargs = {
+        "cluster_class": cuda,
+        "cluster_kwargs": {**cluster, **({"resources": {"GPU": 1}} if gpu else {})},
+    }
     out = {"n": n, "threadpool_s": timed(ThreadPoolTaskRunner(max_workers=16))}
     out["runner_s"] = timed(GPUDaskTaskRunner(cluster_kwargs=cluster, guard="off"))
     noop_gpu = noop.with_options(tags=["gpu"])
@@ -299,7 +301,9 @@ def main() -> None:
     write(result, args.out)
 
 
-def run_sections(result: dict[str, Any], sections: set[str], args: Any, gpu: bool, n: int, chunk: int) -> None:
+def run_sections(
+    result: dict[str, Any], sections: set[str], args: Any, gpu: bool, n: int, chunk: int
+) -> None:
     if "cube" in sections:
         result["speed_cube"] = bench_speed_cube(n, chunk, gpu, args.repeat, cpu_n=n if not gpu else 40_000)
         print("speed_cube", json.dumps(result["speed_cube"]), flush=True)
@@ -329,8 +333,13 @@ def write(result: dict[str, Any], out: Path) -> None:
         "device": result["device"],
         "date": result["date"],
         "warm": result["warm"],
-        "speed_cube": {k: cube.get(k) for k in ("runner_s", "raw_threads_s", "cpu_threads_s", "raw_local_cuda_cluster_s")},
-        "per_task": {k: first.get(k) for k in ("n", "threadpool_s", "prefect_dask_s", "runner_s", "runner_guarded_gpu_tasks_s")},
+        "speed_cube": {
+            k: cube.get(k) for k in ("runner_s", "raw_threads_s", "cpu_threads_s", "raw_local_cuda_cluster_s")
+        },
+        "per_task": {
+            k: first.get(k)
+            for k in ("n", "threadpool_s", "prefect_dask_s", "runner_s", "runner_guarded_gpu_tasks_s")
+        },
         "guard_us": result.get("guard", {}).get("guard_us"),
         "leak_recovery_s": result.get("leak", {}).get("leak_recovery_s"),
         "cluster_start_s": result.get("leak", {}).get("cluster_start_s"),

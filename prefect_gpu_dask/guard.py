@@ -245,9 +245,7 @@ def _task_identity() -> dict[str, Any]:
     }
 
 
-def build_record(
-    guard: GPUMemoryGuard, verdict: Verdict, peak: int, duration: float
-) -> dict[str, Any]:
+def build_record(guard: GPUMemoryGuard, verdict: Verdict, peak: int, duration: float) -> dict[str, Any]:
     probe = guard.probe
     return {
         **_task_identity(),

@@ -34,9 +34,7 @@ def parse_threshold(value: int | str) -> int:
     try:
         parsed = parse_bytes(value) if isinstance(value, str) else int(value)
     except (ValueError, TypeError):
-        raise ValueError(
-            f"leak_threshold {value!r} is not a size (use bytes or e.g. '256MiB')"
-        ) from None
+        raise ValueError(f"leak_threshold {value!r} is not a size (use bytes or e.g. '256MiB')") from None
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"leak_threshold {value!r} is not a whole number of bytes")
     if parsed <= 0:
@@ -64,9 +62,7 @@ class GuardSettings:
         ):
             raise ValueError(f"memory_limit {limit!r} must be a fraction in (0, 1]")
         count = self.restart_after_tasks
-        if count is not None and (
-            isinstance(count, bool) or not isinstance(count, int) or count < 1
-        ):
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
 
 
@@ -118,7 +114,8 @@ def restart_reason(
 ) -> str | None:
     """Why this worker should be recycled now, or None."""
     if status == LEAK:
-        return f"leak: task left {format_bytes(delta)} on the GPU (threshold {format_bytes(settings.leak_threshold)})"
+        threshold = format_bytes(settings.leak_threshold)
+        return f"leak: task left {format_bytes(delta)} on the GPU (threshold {threshold})"
     if over_limit(after, settings):
         return (
             f"memory limit: GPU {after.device_used / after.device_total:.0%} used "
@@ -148,9 +145,7 @@ def verdict_for(
         release_caches()
         after = probe.sample()
     delta = after.judged - before.judged
-    return Verdict(
-        status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings)
-    )
+    return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
 
 
 def format_bytes(n: int) -> str:

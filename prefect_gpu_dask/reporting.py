@@ -112,9 +112,7 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
     ]
     for gpu, counts in sorted(per_gpu.items()):
         total = sum(counts.values())
-        lines.append(
-            f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |"
-        )
+        lines.append(f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |")
     lines += ["", "## Leaks", ""]
     lines += [
         f"- **{r['task_run_name']}** left {format_bytes(r['delta'])} on GPU {r['gpu_index']} ({r['worker']})"

@@ -38,10 +38,7 @@ def _blockers(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
 
 def _keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
     return [
-        ts.key
-        for a in addresses
-        if a in dask_scheduler.workers
-        for ts in dask_scheduler.workers[a].has_what
+        ts.key for a in addresses if a in dask_scheduler.workers for ts in dask_scheduler.workers[a].has_what
     ]
 
 

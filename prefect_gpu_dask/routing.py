@@ -31,9 +31,7 @@ def validate_tag_resources(tag_resources: Mapping[str, Mapping[str, float]] | No
     if tag_resources is None:
         return {}
     if not isinstance(tag_resources, Mapping):
-        raise ValueError(
-            f"tag_resources must be a mapping of tag -> resources, got {tag_resources!r}"
-        )
+        raise ValueError(f"tag_resources must be a mapping of tag -> resources, got {tag_resources!r}")
     clean: dict[str, Resources] = {}
     for tag, resources in tag_resources.items():
         if not isinstance(tag, str) or not tag:
@@ -102,6 +100,5 @@ def uses_gpu(resources: Mapping[str, float]) -> bool:
 def satisfiable(resources: Mapping[str, float], workers: Iterable[Mapping[str, float]]) -> bool:
     """Does at least one worker advertise every resource in the amounts asked?"""
     return any(
-        all(offered.get(name, 0) >= amount for name, amount in resources.items())
-        for offered in workers
+        all(offered.get(name, 0) >= amount for name, amount in resources.items()) for offered in workers
     )

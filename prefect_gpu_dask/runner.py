@@ -205,9 +205,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._offered: list[dict[str, float]] = []
         self._offered_at = float("-inf")
         self._wrapped_tasks: dict[tuple[int, str], tuple[Any, Any]] = {}
-        self._futures: weakref.WeakValueDictionary[str, PrefectDaskFuture] = (
-            weakref.WeakValueDictionary()
-        )
+        self._futures: weakref.WeakValueDictionary[str, PrefectDaskFuture] = weakref.WeakValueDictionary()
         self._submit_lock = threading.RLock()
         self._restarts: RestartCoordinator | None = None
         self._guard_on = False
@@ -366,9 +364,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         # A worker may just have joined: look again, but not on every submit.
         return satisfiable(resources, self._offered_resources(max_age=MISS_REFRESH_S))
 
-    def _wrapped(
-        self, task: Any, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-    ) -> Any:
+    def _wrapped(self, task: Any, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
         key = (id(task), kind)
         cached = self._wrapped_tasks.get(key)
         if cached is None or cached[0] is not task:
@@ -379,9 +375,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         def visit(item: Any) -> Any:
             if isinstance(item, PrefectDaskFuture):
                 # A detached future's result moved to the flow before a restart.
-                return (
-                    item._final_state if getattr(item, "_detached", False) else item.wrapped_future
-                )
+                return item._final_state if getattr(item, "_detached", False) else item.wrapped_future
             return item
 
         return visit_collection(expr, visit_fn=visit, return_data=True)
@@ -405,9 +399,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _detach(self, keys: Iterable[str]) -> None:
         """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
         futures = {key: f for key in keys if (f := self._futures.get(key)) is not None}
-        states = self._client.gather(
-            {k: f.wrapped_future for k, f in futures.items()}, errors="skip"
-        )
+        states = self._client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
         for key, state in states.items():
             future = futures[key]
             future._final_state = state

@@ -196,9 +196,7 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
     clients_reset = SyncClientContext.__var__.set(clients)
     try:
         if task.isasync:
-            return asyncio.run(
-                run_task_async(task=task, context=context, return_type="state", **run_kwargs)
-            )
+            return asyncio.run(run_task_async(task=task, context=context, return_type="state", **run_kwargs))
         return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
     finally:
         SyncClientContext.__var__.reset(clients_reset)
