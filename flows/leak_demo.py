@@ -1,0 +1,129 @@
+"""The GPU memory guard at work: a task leaks on purpose and its worker is recycled.
+
+``leak`` keeps a CuPy array (512 MiB by default) alive in a module-level list of the
+worker process. The runner's guard (``leak_threshold="256MiB"``) sees the task
+leave that much behind on its GPU, and the runner restarts that worker once it is
+idle: the next ``gpu`` task on it runs in a new process, with the memory back. The
+flow asserts exactly that, polling for up to ``timeout_s`` seconds for the new pid.
+
+Without a GPU nothing can leak GPU memory: ``leak`` logs that and keeps nothing,
+the guard is a no-op, and the flow asserts only that every task still completes.
+
+    python flows/leak_demo.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.context import FlowRunContext
+
+from prefect_gpu_dask import GPUDaskTaskRunner, gpu_available
+
+MiB = 2**20
+LEAK_THRESHOLD = "256MiB"
+LEAK_THRESHOLD_BYTES = 256 * MiB
+_HOLDER = "_prefect_gpu_dask_leak_demo"
+
+
+def kept() -> list:
+    """The module-level list of leaked arrays in *this* process.
+
+    Looked up in ``sys.modules`` rather than through this module's globals: run as
+    ``python flows/leak_demo.py`` the tasks travel to the workers by value, each call
+    with a fresh copy of the globals, and a list there would die with the task.
+    """
+    holder = sys.modules.get(_HOLDER)
+    if holder is None:
+        holder = sys.modules[_HOLDER] = types.ModuleType(_HOLDER)
+        holder.KEPT = []
+    return holder.KEPT
+
+
+def _where() -> dict[str, Any]:
+    import distributed
+
+    try:
+        worker = str(distributed.get_worker().name)
+    except ValueError:
+        worker = None
+    return {"pid": os.getpid(), "worker": worker, "device": "GPU" if gpu_available() else "CPU"}
+
+
+@task(tags=["gpu"])
+def leak(mib: int) -> dict[str, Any]:
+    """Keep ``mib`` MiB of GPU memory alive after returning: a bug, on purpose."""
+    where = _where()
+    if where["device"] == "GPU":
+        import cupy
+
+        kept().append(cupy.ones(mib * MiB // 8, dtype=cupy.float64))
+        where["leaked_bytes"] = mib * MiB
+    else:
+        get_run_logger().info("No GPU on this worker: nothing to leak, skipping the leak")
+        where["leaked_bytes"] = 0
+    return where
+
+
+@task(tags=["gpu"])
+def whoami() -> dict[str, Any]:
+    """Which process and worker a ``gpu`` task runs in."""
+    return _where()
+
+
+@flow(name="leak-demo", task_runner=GPUDaskTaskRunner(leak_threshold=LEAK_THRESHOLD))
+def leak_demo(mib: int = 512, timeout_s: float = 60.0) -> dict[str, Any]:
+    """One leaking ``gpu`` task; asserts (on a GPU) that its worker comes back as a new process."""
+    if mib * MiB <= LEAK_THRESHOLD_BYTES:
+        raise ValueError(f"mib={mib}: a leak must exceed the {LEAK_THRESHOLD} threshold to be caught")
+    logger = get_run_logger()
+    runner = FlowRunContext.get().task_runner
+    leaked = leak.submit(mib).result()
+    report: dict[str, Any] = {"device": leaked["device"], "leaked": leaked, "restarted": False}
+    if leaked["device"] != "GPU":
+        after = whoami.submit().result()
+        guard_on = bool(getattr(runner, "_guard_on", False))
+        assert after["device"] == "CPU", after
+        assert not guard_on, "the GPU memory guard is on in a cluster without GPUs"
+        logger.info(
+            "No GPU: the GPU memory guard is a no-op here; the flow completed "
+            "(leak task in pid %s, next gpu task in pid %s)",
+            leaked["pid"],
+            after["pid"],
+        )
+        report.update(after=after, guard="no-op")
+        return report
+
+    # On a multi-GPU host the next gpu task may land on another worker: wait until the
+    # leaking worker (same name, kept across a nanny restart) answers from a new pid.
+    deadline = time.monotonic() + timeout_s
+    after = leaked
+    while time.monotonic() < deadline:
+        after = whoami.submit().result()
+        if after["worker"] == leaked["worker"] and after["pid"] != leaked["pid"]:
+            report["restarted"] = True
+            break
+        time.sleep(0.1)
+    report.update(after=after, guard="on", restart_s=timeout_s - (deadline - time.monotonic()))
+    assert report["restarted"], (
+        f"worker {leaked['worker']!r} (pid {leaked['pid']}) leaked {mib} MiB "
+        f"(threshold {LEAK_THRESHOLD}) but was not restarted within {timeout_s} s"
+    )
+    logger.info(
+        "The guard caught the %d MiB leak: worker %s went from pid %s to pid %s in %.1f s",
+        mib,
+        leaked["worker"],
+        leaked["pid"],
+        after["pid"],
+        report["restart_s"],
+    )
+    return report
+
+
+if __name__ == "__main__":
+    print(leak_demo())
