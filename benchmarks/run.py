@@ -206,7 +206,7 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         import cupy
 
         leak.kept = cupy.ones(512 * 2**20 // 8)  # noqa: B010  # held by the task object: a leak
-        return os.getpid()
+        return os.getpid(), int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
 
     @task(tags=["gpu"])
     def pid() -> int:
@@ -223,21 +223,21 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used  # noqa: E731
-        pid.submit().result()  # the worker has its CUDA context: the baseline
-        baseline = used()
-        old = leak.submit().result()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        used = lambda i: pynvml.nvmlDeviceGetMemoryInfo(handles[i]).used  # noqa: E731
+        [pid.submit().result() for _ in range(4 * len(handles))]  # CUDA contexts exist: the baseline
+        baseline = [used(i) for i in range(len(handles))]
+        old, device = leak.submit().result()
         leaked_at = time.perf_counter()
-        leaked = used() - baseline
+        leaked = used(device) - baseline[device]
         deadline = time.monotonic() + 60
-        while used() > baseline + 64 * 2**20 and time.monotonic() < deadline:
+        while used(device) > baseline[device] + 64 * 2**20 and time.monotonic() < deadline:
             time.sleep(0.01)
         recovered_s = time.perf_counter() - leaked_at
         while not runner._restarts.restarts and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert pid.submit().result() != old
         [restart] = runner._restarts.restarts
+        assert restart["new_pid"] != old
         return {
             "cluster_start_s": started,
             "leaked_bytes": leaked,

@@ -25,6 +25,10 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     with distributed.worker_client() as client:
         workers = client.scheduler_info(n_workers=-1)["workers"]
         if len(workers) == 1:
-            return dask.compute(*collections, scheduler="threads", **compute_kwargs)
+            # With a distributed client around, Dask would plan P2P shuffles/rechunks,
+            # which the threads scheduler cannot run: ask for task-based ones.
+            tasks_based = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
+            with dask.config.set(tasks_based):
+                return dask.compute(*collections, scheduler="threads", **compute_kwargs)
         futures = client.compute(list(collections), **compute_kwargs)
         return tuple(client.gather(futures))

@@ -195,6 +195,7 @@ class GPUMemoryGuard(WorkerPlugin):
         before = self.probe.sample()
         if before.process == 0 and _create_cuda_context():
             before = self.probe.sample()  # the context is the process's, not the task's
+        before = before._replace(cached=cached_allocator_bytes())
         self._sampler.start(ticket, before.judged)
         return ticket, before, time.perf_counter()
 

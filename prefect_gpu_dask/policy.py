@@ -85,22 +85,24 @@ def judge(
 ) -> tuple[str, MemorySample]:
     """Sample after a task and decide clean / cached / leak, flushing only when needed.
 
-    Growth that the allocators' own free blocks explain (``cached_bytes``) is judged
-    without flushing them, so warm pools stay warm for the next task.
+    Memory in use (``MemorySample.live``) is what is judged, so warm pools stay warm
+    for the next task; only growth the pools cannot explain triggers the flush.
     """
-    after = probe.sample()
-    growth = after.judged - before.judged
-    if growth <= settings.leak_threshold:
-        return CLEAN, after  # the hot path: two NVML reads, no flush
-    if growth - cached_bytes() <= settings.leak_threshold:
-        return CACHED, after
+
+    def read() -> MemorySample:
+        return probe.sample()._replace(cached=cached_bytes())
+
+    after = read()
+    if after.live - before.live <= settings.leak_threshold:
+        # The hot path: two NVML reads, no flush.
+        return (CLEAN if after.judged - before.judged <= settings.leak_threshold else CACHED), after
     release_caches()
-    after = probe.sample()
-    if after.judged - before.judged <= settings.leak_threshold:
+    after = read()
+    if after.live - before.live <= settings.leak_threshold:
         return CACHED, after
     sleep(settings.settle_s)
-    after = probe.sample()
-    if after.judged - before.judged <= settings.leak_threshold:
+    after = read()
+    if after.live - before.live <= settings.leak_threshold:
         return CACHED, after
     return LEAK, after
 
@@ -143,8 +145,8 @@ def verdict_for(
     if status != LEAK and over_limit(after, settings):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
-        after = probe.sample()
-    delta = after.judged - before.judged
+        after = probe.sample()._replace(cached=cached_bytes())
+    delta = after.live - before.live
     return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
 
 

@@ -19,11 +19,21 @@ class MemorySample(NamedTuple):
     process: int  # -1 when the driver cannot attribute memory per process
     device_used: int
     device_total: int
+    cached: int = 0  # free blocks held by allocator pools (CuPy, torch) in this process
 
     @property
     def judged(self) -> int:
-        """The figure leaks are judged by: per process where known, else device-wide."""
+        """What the driver says: per process where known, else device-wide."""
         return self.device_used if self.process < 0 else self.process
+
+    @property
+    def live(self) -> int:
+        """Memory in use: the driver's figure less the pools' free blocks.
+
+        Judging by this, a pool that grew is not a leak, and a leak served from
+        blocks the pool already held is not hidden.
+        """
+        return self.judged - self.cached
 
 
 @dataclass(frozen=True)

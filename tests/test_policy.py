@@ -136,5 +136,21 @@ def test_over_limit_flushes_caches_before_recycling():
         flushes()
         probe.device_used = int(0.5 * probe.total)  # the pool gave its blocks back
 
-    verdict = verdict_for(probe, MemorySample(1 * GiB, 1 * GiB, probe.total), SETTINGS, 1, flush, lambda s: None)
+    verdict = verdict_for(
+        probe, MemorySample(1 * GiB, 1 * GiB, probe.total), SETTINGS, 1, flush, lambda s: None
+    )
     assert verdict.restart_reason is None and flushes.count == 1
+
+
+def test_leak_served_from_the_pools_free_blocks_is_caught():
+    # The pool already held 4 GiB free; a 512 MiB leak reused it, so the driver's figure
+    # did not move. In-use memory did: flush, re-sample, and it is a leak.
+    probe = ScriptedProbe(5 * GiB, 5 * GiB, 1536 * MiB)
+    cached = iter([int(3.5 * GiB), int(3.5 * GiB), 0, 0])
+    flushes = Flushes()
+    start = MemorySample(5 * GiB, 5 * GiB, probe.total, cached=4 * GiB)
+    verdict = verdict_for(
+        probe, start, SETTINGS, 1, flushes, lambda s: None, cached_bytes=lambda: next(cached)
+    )
+    assert (verdict.status, flushes.count) == (LEAK, 1)
+    assert verdict.delta == 512 * MiB
