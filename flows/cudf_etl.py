@@ -176,10 +176,10 @@ def cudf_etl(
 ) -> dict[str, Any]:
     """Generate -> clean -> aggregate -> Parquet; asserts the files equal a pandas computation.
 
-    Sizes left empty pick the device's: 32 x 1M rows on a GPU, 4 x 25k on CPU.
+    Sizes left empty pick the device's: 32 x 1M rows with cuDF on a GPU, 4 x 25k with
+    pandas (the check recomputes everything in pandas, so pandas gets the small size).
     """
-    gpu = gpu_available()
-    default_partitions, default_rows = default_size(gpu)
+    default_partitions, default_rows = default_size(use_cudf())
     partitions = partitions or default_partitions
     rows = rows_per_partition or default_rows
     out_dir = out_dir or tempfile.mkdtemp(prefix="cudf-etl-")
