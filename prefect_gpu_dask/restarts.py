@@ -9,6 +9,7 @@ instead of a Dask key that would vanish and be recomputed (a task run twice).
 from __future__ import annotations
 
 import contextvars
+import os
 import logging
 import queue
 import threading
@@ -72,7 +73,7 @@ def _guard_state(dask_worker: Any) -> dict[str, Any]:
     baseline = getattr(guard, "baseline", None)
     sample = guard.probe.sample() if getattr(guard, "probe", None) is not None else None
     return {
-        "pid": __import__("os").getpid(),
+        "pid": os.getpid(),
         "name": str(dask_worker.name),
         "baseline": baseline.judged if baseline else None,
         "now": sample.judged if sample else None,
