@@ -9,8 +9,8 @@ instead of a Dask key that would vanish and be recomputed (a task run twice).
 from __future__ import annotations
 
 import contextvars
-import os
 import logging
+import os
 import queue
 import threading
 import time
