@@ -1,0 +1,530 @@
+"""Faults and load, on a real Prefect API and real ``dask scheduler``/``dask worker`` processes.
+
+Faults: a worker SIGKILLed mid-task, the scheduler disappearing mid-flow, an unreachable
+address, a guard-triggered restart while 40 other tasks run, and a GPU task submitted
+while the only GPU worker is being recycled. Load: 1,000 ``gpu:0.25`` tasks on one
+``GPU=1`` worker with 8 threads, and 500 CPU tasks mixed with 500 GPU tasks.
+
+Sized for a 2-core CI box: 1,000 trivial tasks through the runner take 35-75 s there
+(Prefect's per-task engine and API traffic, not Dask, are the cost), so the load tests
+ship no task logs to the API and keep their sleeps to 10-20 ms.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import distributed
+import pytest
+from distributed import Client
+from prefect import flow, task
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
+from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+from prefect_gpu_dask import GPUDaskTaskRunner, GPUMemoryGuard, GuardSettings
+from prefect_gpu_dask.guard import PLUGIN_NAME
+from tests.conftest import DaskProcesses
+from tests.scripted_probe import fake_probe, leak
+
+MiB = 2**20
+DIED = re.compile(r"worker.{0,200}\b(died|dead|killed|lost)\b", re.IGNORECASE | re.DOTALL)
+
+
+def wait_for_file(path: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def stop_workers_first(procs: DaskProcesses) -> None:
+    """Stop the workers before their scheduler: conftest stops all at once, and a worker
+    whose scheduler went first spends ~8 s giving up on it; this way it takes < 1 s."""
+    workers = procs.procs[1:]  # procs[0] is the scheduler
+    for proc in workers:
+        proc.terminate()
+    for proc in workers:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def procs(dask_processes: DaskProcesses):
+    yield dask_processes
+    stop_workers_first(dask_processes)
+
+
+def max_concurrency(spans: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (an end at t closes before a start at t)."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def api_state(task_run_id, settled, timeout: float = 20):
+    """The task run's state as the API has it, once ``settled(state)`` (events are async)."""
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_task_run(task_run_id).state
+            if (state is not None and settled(state)) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.25)
+
+
+# -- tasks (module level: they travel to the workers by reference) -----------------
+
+
+@task(tags=["gpu"])
+def long_gpu_task(pidfile: str, ledger: str) -> str:
+    """Runs until told to stop (or 60 s): long enough to be killed in the middle."""
+    with open(ledger, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    Path(pidfile).write_text(str(os.getpid()))
+    stop = Path(pidfile + ".stop")
+    for _ in range(600):
+        if stop.exists():
+            return "stopped"
+        time.sleep(0.1)
+    return "finished"
+
+
+@task(tags=["gpu"])
+def gpu_square(i: int) -> tuple[int, str]:
+    return i * i, str(distributed.get_worker().name)
+
+
+@task
+def cpu_square(i: int) -> tuple[int, str]:
+    return i * i, str(distributed.get_worker().name)
+
+
+# -- 3. faults: a worker killed mid-task --------------------------------------------
+
+
+def test_worker_killed_mid_task_fails_that_task_run_only(procs: DaskProcesses, tmp_path):
+    """The GPU worker is SIGKILLed while a task runs there; its nanny brings it back.
+    That task run must end Failed/Crashed saying the worker died (not be quietly run a
+    second time on the replacement), promptly, and later tasks must still run."""
+    address = procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    procs.start_worker("cpu-worker", "--nthreads", "2")
+    procs.wait_for_workers(2)
+    pidfile, ledger = tmp_path / "pid", tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def killed():
+        doomed = long_gpu_task.submit(str(pidfile), str(ledger))
+        victim = int(wait_for_file(pidfile))
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        doomed.wait(timeout=20)
+        settled_s = time.monotonic() - killed_at
+        Path(str(pidfile) + ".stop").write_text("stop")  # a re-run, if any, ends now
+        state = doomed.state
+        try:
+            doomed.result(raise_on_failure=True)
+            error = None
+        except BaseException as exc:  # noqa: BLE001 - whatever surfaces, it must say why
+            error = f"{type(exc).__name__}: {exc}"
+        later_gpu = [gpu_square.submit(i) for i in range(4)]
+        later_cpu = [cpu_square.submit(i) for i in range(4)]
+        return {
+            "victim": victim,
+            "settled_s": settled_s,
+            "state": state,
+            "error": error,
+            "task_run_id": doomed.task_run_id,
+            "later_gpu": [f.result() for f in later_gpu],
+            "later_cpu": [f.result() for f in later_cpu],
+        }
+
+    start = time.monotonic()
+    out = killed()
+    flow_s = time.monotonic() - start
+
+    assert flow_s < 60, f"the flow took {flow_s:.1f} s after a worker death"
+    assert out["settled_s"] < 20, "the killed task never reached a final state"
+    state = out["state"]
+    assert state.is_failed() or state.is_crashed(), state
+    assert DIED.search(f"{state.message} {out['error']}"), (state.message, out["error"])
+    # The task run was not quietly re-run on the nanny's replacement worker.
+    assert wait_for_file(ledger).split() == [str(out["victim"])], "the killed task ran again"
+    # The API agrees with the flow.
+    recorded = api_state(out["task_run_id"], lambda s: s.is_final())
+    assert recorded.is_failed() or recorded.is_crashed(), recorded
+    # Later work still runs, GPU work on the (restarted) GPU worker.
+    assert out["later_gpu"] == [(i * i, "gpu-worker") for i in range(4)]
+    assert [r for r, _ in out["later_cpu"]] == [i * i for i in range(4)]
+
+
+# -- 3. faults: the scheduler disappears mid-flow -----------------------------------
+
+
+def test_scheduler_death_mid_flow_fails_clearly_and_quickly(procs: DaskProcesses, tmp_path):
+    address = procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    scheduler_pid = procs.procs[0].pid
+    pidfile, ledger = tmp_path / "pid", tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, client_kwargs={"timeout": "5s"}))
+    def orphaned():
+        running = long_gpu_task.submit(str(pidfile), str(ledger))
+        wait_for_file(pidfile)
+        os.kill(scheduler_pid, signal.SIGKILL)
+        return running.result()
+
+    start = time.monotonic()
+    try:
+        state = orphaned(return_state=True)
+    finally:
+        Path(str(pidfile) + ".stop").write_text("stop")
+    elapsed = time.monotonic() - start
+
+    assert state.is_failed(), state
+    assert "scheduler" in state.message.lower(), state.message
+    # Bounded by the client's 5 s connect timeout, not the default 30 s or forever.
+    assert elapsed < 20, f"the flow took {elapsed:.1f} s to notice the scheduler was gone"
+
+
+def test_scheduler_death_with_default_timeouts_is_bounded(procs: DaskProcesses, tmp_path):
+    """No client_kwargs: the flow must still end promptly once its task has failed."""
+    address = procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    scheduler_pid = procs.procs[0].pid
+    pidfile, ledger = tmp_path / "pid", tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def orphaned():
+        running = long_gpu_task.submit(str(pidfile), str(ledger))
+        wait_for_file(pidfile)
+        os.kill(scheduler_pid, signal.SIGKILL)
+        return running.result()
+
+    start = time.monotonic()
+    try:
+        state = orphaned(return_state=True)
+    finally:
+        Path(str(pidfile) + ".stop").write_text("stop")
+    elapsed = time.monotonic() - start
+    assert state.is_failed(), state
+    assert "scheduler" in state.message.lower(), state.message
+    # The task's error arrives at once; the runner must not then sit out distributed's
+    # 30 s reconnect window on its way out (e.g. to publish the GPU memory report).
+    assert elapsed < 20, f"the flow took {elapsed:.1f} s to end after the scheduler died"
+
+
+# -- 3. faults: an unreachable address ----------------------------------------------
+
+
+def test_unreachable_address_fails_within_the_connect_timeout():
+    ran = []
+
+    @task
+    def never() -> None:
+        ran.append(1)
+
+    @flow(task_runner=GPUDaskTaskRunner(address="tcp://127.0.0.1:1", client_kwargs={"timeout": "3s"}))
+    def unreachable():
+        return never.submit().result()
+
+    start = time.monotonic()
+    state = unreachable(return_state=True)
+    elapsed = time.monotonic() - start
+    assert state.is_failed(), state
+    assert "127.0.0.1:1" in state.message, state.message
+    assert re.search(r"connect|timed out", state.message, re.IGNORECASE), state.message
+    assert 2.5 < elapsed < 15, elapsed  # it did wait for the timeout, and not much longer
+    assert ran == []
+
+
+# -- 3. faults: a restart while 40 other tasks run ----------------------------------
+
+
+def note(ledger: str, label: str) -> int:
+    with open(ledger, "a") as fh:
+        fh.write(f"{label} {os.getpid()}\n")
+    return os.getpid()
+
+
+@task(tags=["gpu"])
+def leaky(ledger: str, nbytes: int) -> int:
+    """Leaks (so the guard recycles this worker) once a CPU task is running elsewhere."""
+    note(ledger, "leaky")
+    deadline = time.monotonic() + 60
+    while "cpu-" not in Path(ledger).read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    leak(nbytes)
+    return 21
+
+
+@task(tags=["gpu:0.25"])
+def gpu_work(ledger: str, i: int, seconds: float) -> tuple[int, int]:
+    pid = note(ledger, f"gpu-{i}")
+    time.sleep(seconds)
+    return i * i, pid
+
+
+@task(tags=["cpu"])
+def cpu_work(ledger: str, i: int, release: str) -> tuple[int, int]:
+    """Holds a CPU-worker thread until the flow has seen the restart (at most 60 s)."""
+    pid = note(ledger, f"cpu-{i}")
+    deadline = time.monotonic() + 60
+    while not Path(release).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return i + 1000, pid
+
+
+@task
+def combine(ledger: str, i: int, square: tuple[int, int], plus: tuple[int, int]) -> int:
+    note(ledger, f"combine-{i}")
+    return square[0] + plus[0]
+
+
+def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProcesses, tmp_path):
+    """A leak recycles the GPU worker while 20 GPU tasks are queued on it and 20 CPU
+    tasks hold or wait for the CPU worker; results from before the restart feed tasks
+    submitted after it. Every task runs exactly once and returns the right value."""
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1")
+    procs.start_worker("cpu-worker", "--nthreads", "4", "--resources", "CPU=4")
+    procs.wait_for_workers(2)
+    address = procs.address
+    with Client(address) as client:
+        client.register_plugin(GPUMemoryGuard(GuardSettings(), probe_factory=fake_probe), name=PLUGIN_NAME)
+        names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        pid_before = {names[a]: pid for a, pid in client.run(os.getpid).items()}
+    ledger = str(tmp_path / "ledger")
+    release = str(tmp_path / "release")
+    n = 20
+
+    runner = GPUDaskTaskRunner(address=address, restart="worker", tag_resources={"cpu": {"CPU": 1}})
+
+    @flow(task_runner=runner)
+    def busy():
+        runner = FlowRunContext.get().task_runner
+        leaked = leaky.submit(ledger, 512 * MiB)  # the GPU worker will be recycled
+        gpu = [gpu_work.submit(ledger, i, 0.2) for i in range(n)]
+        cpu = [cpu_work.submit(ledger, i, release) for i in range(n)]
+        deadline = time.monotonic() + 90
+        while not runner._restarts.restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        during = {
+            "cpu_started": sum(line.startswith("cpu-") for line in Path(ledger).read_text().splitlines()),
+            "cpu_done": sum(f.wrapped_future.done() for f in cpu),
+        }
+        Path(release).write_text("go")
+        # Submitted after the restart, depending on results computed before it.
+        combined = [combine.submit(ledger, i, gpu[i], cpu[i]) for i in range(n)]
+        fresh = [gpu_work.submit(ledger, 100 + i, 0.0) for i in range(5)]
+        return {
+            "during": during,
+            "leaked": leaked.result(),
+            "gpu": [f.result() for f in gpu],
+            "cpu": [f.result() for f in cpu],
+            "combined": [f.result() for f in combined],
+            "fresh": [f.result() for f in fresh],
+            "restarts": list(runner._restarts.restarts),
+        }
+
+    start = time.monotonic()
+    out = busy()
+    elapsed = time.monotonic() - start
+
+    counts = Counter(line.split()[0] for line in Path(ledger).read_text().splitlines())
+    expected = (
+        {"leaky"}
+        | {f"gpu-{i}" for i in range(n)}
+        | {f"cpu-{i}" for i in range(n)}
+        | {f"combine-{i}" for i in range(n)}
+        | {f"gpu-{100 + i}" for i in range(5)}
+    )
+    assert set(counts) == expected, set(counts) ^ expected
+    twice = {label: c for label, c in counts.items() if c != 1}
+    assert not twice, f"tasks ran more than once: {twice}"
+
+    [restart] = out["restarts"]
+    assert restart["worker_name"] == "gpu-worker", restart
+    assert restart["reason"].startswith("leak:"), restart
+    assert restart["new_pid"] != pid_before["gpu-worker"]
+    # The CPU worker was busy the whole time the GPU worker was being recycled.
+    assert 1 <= out["during"]["cpu_started"] <= 4 and out["during"]["cpu_done"] == 0, out["during"]
+
+    assert out["leaked"] == 21
+    assert [r for r, _ in out["gpu"]] == [i * i for i in range(n)]
+    assert [r for r, _ in out["cpu"]] == [i + 1000 for i in range(n)]
+    assert out["combined"] == [i * i + i + 1000 for i in range(n)]
+    assert [r for r, _ in out["fresh"]] == [(100 + i) ** 2 for i in range(5)]
+    # GPU tasks ran in the old process, the fresh ones in its replacement; CPU tasks on
+    # the CPU worker, which was never restarted.
+    assert {pid for _, pid in out["gpu"]} == {pid_before["gpu-worker"]}
+    assert {pid for _, pid in out["fresh"]} == {restart["new_pid"]}
+    assert {pid for _, pid in out["cpu"]} == {pid_before["cpu-worker"]}
+
+    assert elapsed < 120, elapsed
+
+
+@task(tags=["gpu"])
+def slow_leak(nbytes: int, delay: float) -> int:
+    time.sleep(delay)  # the flow submits nothing meanwhile: its view of the workers ages
+    leak(nbytes)
+    return os.getpid()
+
+
+def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProcesses, tmp_path):
+    """A GPU task submitted while the only GPU worker is being recycled must wait for
+    its replacement, not fall back to the CPU worker as if there were no GPU."""
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    procs.start_worker("cpu-worker", "--nthreads", "2")
+    procs.wait_for_workers(2)
+    address = procs.address
+    with Client(address) as client:
+        client.register_plugin(GPUMemoryGuard(GuardSettings(), probe_factory=fake_probe), name=PLUGIN_NAME)
+        names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        pid_before = {names[a]: pid for a, pid in client.run(os.getpid).items()}
+    [gpu_address] = [a for a, name in names.items() if name == "gpu-worker"]
+    ledger = str(tmp_path / "ledger")
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def mid_restart():
+        runner = FlowRunContext.get().task_runner
+        leaked = slow_leak.submit(512 * MiB, 1.5)
+        # Watch the scheduler (with a client of our own) for the old GPU worker to go.
+        with Client(address, set_as_default=False) as watcher:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if gpu_address not in watcher.scheduler_info(n_workers=-1)["workers"]:
+                    break
+                time.sleep(0.01)
+            during = gpu_work.submit(ledger, 0, 0.0)
+            removed = gpu_address not in watcher.scheduler_info(n_workers=-1)["workers"]
+        deadline = time.monotonic() + 60
+        while not runner._restarts.restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {
+            "removed": removed,
+            "leaked_pid": leaked.result(),
+            "during": during.result(),
+            "restarts": list(runner._restarts.restarts),
+        }
+
+    out = mid_restart()
+    [restart] = out["restarts"]
+    assert out["leaked_pid"] == pid_before["gpu-worker"]
+    assert out["removed"], "the GPU task was not submitted while the GPU worker was away"
+    square, pid = out["during"]
+    assert square == 0
+    assert pid != pid_before["cpu-worker"], "a GPU task submitted mid-restart ran on the CPU worker"
+    assert pid == restart["new_pid"], (pid, restart)
+
+
+# -- 4. load ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def load_cluster(tmp_path_factory):
+    """One ``GPU=1`` worker with 8 threads and one 4-thread CPU worker."""
+    procs = DaskProcesses(tmp_path_factory.mktemp("load"))
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "8", "--resources", "GPU=1")
+    procs.start_worker("cpu-worker", "--nthreads", "4")
+    procs.wait_for_workers(2)
+    yield procs.address
+    stop_workers_first(procs)
+    procs.close()
+
+
+@task(tags=["gpu:0.25"])
+def quarter_gpu(i: int, seconds: float) -> tuple[int, float, float, str]:
+    start = time.time()
+    time.sleep(seconds)
+    return i, start, time.time(), str(distributed.get_worker().name)
+
+
+@task(tags=["gpu"])
+def whole_gpu(i: int, seconds: float) -> tuple[int, float, float, str]:
+    start = time.time()
+    time.sleep(seconds)
+    return i, start, time.time(), str(distributed.get_worker().name)
+
+
+@task
+def plain_cpu(i: int) -> tuple[int, float, float, str]:
+    start = time.time()
+    return i, start, time.time(), str(distributed.get_worker().name)
+
+
+def test_1000_quarter_gpu_tasks_never_exceed_4_at_once(load_cluster):
+    n = 1000
+
+    @flow(task_runner=GPUDaskTaskRunner(address=load_cluster))
+    def quarters():
+        futures = [quarter_gpu.submit(i, 0.02) for i in range(n)]
+        return [f.result() for f in futures]
+
+    start = time.monotonic()
+    with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: False}):
+        out = quarters()
+    elapsed = time.monotonic() - start
+
+    assert [i for i, *_ in out] == list(range(n))
+    assert {w for *_, w in out} == {"gpu-worker"}
+    peak = max_concurrency([(s, e) for _, s, e, _ in out])
+    assert peak <= 4, f"{peak} gpu:0.25 tasks ran at once on one GPU"
+    assert peak >= 2, f"gpu:0.25 tasks never shared the GPU (peak {peak})"
+    print(f"1000 x gpu:0.25: {elapsed:.1f} s, peak concurrency {peak}")
+
+
+def test_500_cpu_tasks_are_not_starved_by_500_gpu_tasks(load_cluster):
+    n = 500
+
+    @flow(task_runner=GPUDaskTaskRunner(address=load_cluster))
+    def mixed():
+        futures = []
+        for i in range(n):
+            futures.append(whole_gpu.submit(i, 0.01))
+            futures.append(plain_cpu.submit(i))
+        return [f.result() for f in futures]
+
+    start = time.monotonic()
+    with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: False}):
+        out = mixed()
+    elapsed = time.monotonic() - start
+
+    gpu, cpu = out[0::2], out[1::2]
+    assert [i for i, *_ in gpu] == list(range(n)) and [i for i, *_ in cpu] == list(range(n))
+    assert {w for *_, w in gpu} == {"gpu-worker"}
+    assert max_concurrency([(s, e) for _, s, e, _ in gpu]) == 1  # whole-GPU tasks queue
+    first = min(s for _, s, _, _ in out)
+    gpu_ends = sorted(e - first for _, _, e, _ in gpu)
+    cpu_ends = sorted(e - first for _, _, e, _ in cpu)
+    gpu_done_when_cpu_done = sum(e <= cpu_ends[-1] for e in gpu_ends) / n
+    print(
+        f"500+500 mixed: {elapsed:.1f} s; CPU done at {cpu_ends[-1]:.1f} s "
+        f"(median {statistics.median(cpu_ends):.1f} s), GPU done at {gpu_ends[-1]:.1f} s "
+        f"(median {statistics.median(gpu_ends):.1f} s); {gpu_done_when_cpu_done:.0%} of GPU "
+        "tasks done when the last CPU task finished"
+    )
+    # CPU tasks are not held behind the GPU queue: they all finish while most GPU
+    # tasks are still waiting for the one GPU.
+    assert cpu_ends[-1] < 0.75 * gpu_ends[-1], (cpu_ends[-1], gpu_ends[-1])
+    assert gpu_done_when_cpu_done < 0.75, gpu_done_when_cpu_done
+    assert statistics.median(cpu_ends) < 0.5 * statistics.median(gpu_ends) + 1
