@@ -252,6 +252,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if self._client is None:
             self._start_local_cluster()
             client = DaskTaskRunner.client.fget(self)
+            self._watch_worker_deaths(client)
             self._connect_guard(client)
         return self._client
 
@@ -279,6 +280,18 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
         with dask.config.set(config):
             self._cluster = self._exit_stack.enter_context(cluster_class(**kwargs))
+
+    def _watch_worker_deaths(self, client: distributed.Client) -> None:
+        from prefect_gpu_dask.interrupted import InterruptedTasks
+
+        try:
+            client.register_plugin(InterruptedTasks(), name=InterruptedTasks.name)
+        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the scheduler
+            self.logger.warning(
+                "Could not install %s on the scheduler (%s): a task whose worker dies may run a second time",
+                InterruptedTasks.name,
+                exc,
+            )
 
     def _connect_guard(self, client: distributed.Client) -> None:
         offered = self._offered_resources(force=True)
@@ -320,18 +333,20 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         user = dask.get_annotations().get("resources")
         if user:
             resources = {**resources, **user}
-        task, resources = self._prepare(task, resources)
         if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
             self._flow_run_id = str(ctx.flow_run.id)
-        annotate = dask.annotate(resources=resources) if resources else nullcontext()
-        with self._submit_lock, annotate:
-            wrapped = self._submitter.submit(
-                self._client,
-                task,
-                self._optimize_futures(parameters),
-                self._optimize_futures(wait_for) if wait_for else None,
-                dependencies,
-            )
+        # Route under the lock a restart holds: a worker being recycled is not "missing".
+        with self._submit_lock:
+            task, resources = self._prepare(task, resources)
+            annotate = dask.annotate(resources=resources) if resources else nullcontext()
+            with annotate:
+                wrapped = self._submitter.submit(
+                    self._client,
+                    task,
+                    self._optimize_futures(parameters),
+                    self._optimize_futures(wait_for) if wait_for else None,
+                    dependencies,
+                )
         future = PrefectDaskFuture(wrapped_future=wrapped, task_run_id=wrapped.task_run_id)
         self._futures[wrapped.key] = future
         return future
@@ -442,10 +457,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
+            # A client that lost its scheduler would wait out its reconnect timeout.
+            connected = self._client is not None and self._client.status == "running"
             if self._restarts is not None:
                 # A remote cluster outlives the flow: finish its restarts. A local one is closing.
-                self._restarts.close(wait=self._cluster is None or bool(self.address))
-            if self._guard_on and self._flow_run_id:
+                self._restarts.close(wait=connected and (self._cluster is None or bool(self.address)))
+            if self._guard_on and self._flow_run_id and connected:
                 records = self._records()
                 restarts = self._restarts.restarts if self._restarts else []
                 if records or restarts:

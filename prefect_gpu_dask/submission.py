@@ -23,6 +23,8 @@ from prefect.context import EngineContext, SettingsContext, SyncClientContext, s
 from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
 
+from prefect_gpu_dask.interrupted import died_on, refusing
+
 
 class _Serialized:
     """Stands in for a context object while Prefect serialises the current context.
@@ -189,6 +191,8 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
 def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
+    if (dead := died_on()) is not None:
+        task = refusing(task, dead)
     settings, clients = _settings_and_client(context.pop("settings_context"))
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.
