@@ -1,9 +1,11 @@
 """``GPUDaskTaskRunner``: prefect-dask's runner, made GPU-aware.
 
-It adds four things to ``prefect_dask.DaskTaskRunner`` and changes nothing else:
-the cluster it starts (``cluster``), how task tags become Dask resources
-(``routing``), the per-task GPU memory guard (``guard`` + ``policy``, acted on by
-``restarts``), and what the Prefect UI shows (``reporting``).
+It keeps ``prefect_dask.DaskTaskRunner``'s lifecycle (lazy client and cluster,
+futures, ``map``, adapt, performance reports) and adds: the cluster it starts
+(``cluster``), how task tags become Dask resources (``routing``), a cheaper path for
+sending a task run to a worker (``submission``: prefect-dask re-serialises Prefect's
+settings and flow context for every task), the per-task GPU memory guard (``guard`` +
+``policy``, acted on by ``restarts``), and what the Prefect UI shows (``reporting``).
 """
 
 from __future__ import annotations
