@@ -142,7 +142,6 @@ class GPUMemoryGuard(WorkerPlugin):
         self.worker: Any = None
         self.baseline: MemorySample | None = None
         self.tasks_run = 0
-        self.restart_requested: str | None = None
         self._tickets = 0
         self._sampler: PeakSampler | None = None
 
@@ -211,8 +210,6 @@ class GPUMemoryGuard(WorkerPlugin):
             cached_bytes=cached_allocator_bytes,
         )
         peak = self._sampler.stop(ticket, verdict.after.judged)
-        if verdict.restart_reason and self.restart_requested is None:
-            self.restart_requested = verdict.restart_reason
         return verdict, peak, duration
 
     def report(self, record: dict[str, Any]) -> None:
