@@ -19,10 +19,12 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from distributed import WorkerPlugin
+from distributed.core import Status
 
 from prefect_gpu_dask.policy import LEAK, GuardSettings, Verdict, format_bytes, verdict_for
 from prefect_gpu_dask.probe import MemoryProbe, MemorySample
@@ -31,6 +33,9 @@ PLUGIN_NAME = "prefect-gpu-dask-guard"
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 PEAK_INTERVAL_S = 0.005
 RELEASE_WAIT_S = 15.0
+# A drained worker whose flow never restarts it (the flow ended, restart="never" elsewhere)
+# takes tasks again after this long.
+DRAIN_EXPIRY_S = 120.0
 
 logger = logging.getLogger("prefect_gpu_dask.guard")
 
@@ -81,6 +86,38 @@ def _create_cuda_context() -> bool:
         return True
     except ImportError:
         return False
+
+
+_drains: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
+
+
+def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> int:
+    """Stop a worker from starting tasks; return how many it is still running.
+
+    Runs on the worker's event loop (``client.run`` or ``loop.add_callback``). The
+    worker reports ``closing_gracefully``, as in ``retire_workers``: the scheduler
+    sends it nothing new, tasks already queued there wait, running ones finish, and
+    it still serves its results. Unlike ``paused``, the memory monitor never undoes it.
+    """
+    if dask_worker.status in (Status.running, Status.paused):
+        dask_worker.status = Status.closing_gracefully
+        token = _drains[dask_worker] = object()
+        dask_worker.loop.call_later(expiry_s, _expire_drain, dask_worker, token)
+    state = dask_worker.state
+    return len(state.executing) + len(state.long_running)
+
+
+def resume(dask_worker: Any) -> None:
+    """Undo ``drain`` (the worker holds the only copy of something a queued task needs)."""
+    _drains.pop(dask_worker, None)
+    if dask_worker.status == Status.closing_gracefully:
+        dask_worker.status = Status.running
+
+
+def _expire_drain(dask_worker: Any, token: object) -> None:
+    if _drains.get(dask_worker) is token:
+        logger.warning("Worker %s was drained for a restart that never came: resuming", dask_worker.address)
+        resume(dask_worker)
 
 
 class PeakSampler:
@@ -214,6 +251,11 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def report(self, record: dict[str, Any]) -> None:
         self.worker.log_event(RECORD_TOPIC, record)
+        if record["restart_reason"] and self.settings.restart == "worker":
+            # Start nothing new here from now on: the flow restarts this worker once
+            # what it runs has finished. Queued before this task returns, so the next
+            # task waiting for this one's slot never starts here.
+            self.worker.loop.add_callback(drain, self.worker)
 
 
 def current_guard() -> GPUMemoryGuard | None:

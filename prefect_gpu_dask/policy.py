@@ -49,6 +49,7 @@ class GuardSettings:
     leak_threshold: int = 256 * 2**20
     memory_limit: float = 0.9
     restart_after_tasks: int | None = None
+    restart: RestartPolicy = "worker"  # "worker": a worker that must restart drains itself at once
     settle_s: float = 0.05  # the driver frees memory asynchronously; wait this long to confirm
 
     def __post_init__(self) -> None:
@@ -64,6 +65,9 @@ class GuardSettings:
         count = self.restart_after_tasks
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
+        if self.restart not in RESTART_POLICIES:
+            allowed = ", ".join(map(repr, RESTART_POLICIES))
+            raise ValueError(f"restart {self.restart!r} is not one of {allowed}")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,16 @@
 """Flow-side restart policy: recycle a leaking worker at a safe point, lose nothing.
 
-A worker is restarted only when it executes nothing and no unfinished task still
-depends on a result it holds. Before the restart the runner pulls the Prefect states
-held there into the flow (``detach``), so downstream tasks receive the state itself
-instead of a Dask key that would vanish and be recomputed (a task run twice).
+``restart="worker"``: the leaking worker drains at once (its guard does that before
+the leaking task returns; ``guard.drain``): it starts nothing new, and once it runs
+nothing, the tasks queued on it go back to the scheduler and it restarts. Results it
+holds that a pending task still needs are waited for (if only this worker can run
+that task, it briefly takes tasks again). Before the restart the runner pulls the
+Prefect states held there into the flow (``detach``), so downstream tasks receive the
+state itself instead of a Dask key that would vanish and be recomputed (a task run
+twice).
+
+``restart="cluster"``: no new task enters the cluster (the runner's submit lock is
+held) until every worker is idle; then ``Scheduler.restart``, as ``client.restart()``.
 """
 
 from __future__ import annotations
@@ -19,22 +26,37 @@ from typing import Any
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 POLL_S = 0.05
+RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run
+HOLD_S = 30.0  # the longest "cluster" blocks submissions before letting some through
 
 
-def _blockers(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
-    """Reasons why restarting these workers now could lose or repeat work."""
-    reasons = []
+def _blockers(addresses: list[str], whole_cluster: bool, dask_scheduler: Any = None) -> dict[str, Any]:
+    """Why restarting these workers now could lose or repeat work.
+
+    ``stuck``: a pending task needs a result held by a draining worker and nobody
+    else can run it (no other worker fits, or it is queued on that worker).
+    """
+    reasons, stuck = [], False
+    if whole_cluster:
+        busy = [ws.address for ws in dask_scheduler.workers.values() if ws.processing]
+        if busy:
+            reasons.append(f"{', '.join(busy)} still running tasks")
+        if dask_scheduler.queued or dask_scheduler.unrunnable:
+            reasons.append("tasks waiting for a free worker")
     for address in addresses:
         ws = dask_scheduler.workers.get(address)
         if ws is None:
             continue
-        if ws.processing:
-            reasons.append(f"{address} is running {len(ws.processing)} task(s)")
         for ts in ws.has_what:
-            if any(dep.state not in DONE_STATES for dep in ts.dependents):
+            pending = [dep for dep in ts.dependents if dep.state not in DONE_STATES]
+            if pending:
                 reasons.append(f"{ts.key} on {address} is needed by a pending task")
-                break
-    return reasons
+                stuck = stuck or any(
+                    dep.state == "no-worker"
+                    or (dep.processing_on is not None and dep.processing_on.address in addresses)
+                    for dep in pending
+                )
+    return {"reasons": reasons, "stuck": stuck}
 
 
 def _keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
@@ -46,22 +68,24 @@ def _keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
 async def _restart_if_safe(
     addresses: list[str], timeout: float, whole_cluster: bool, dask_scheduler: Any = None
 ) -> dict[str, Any]:
-    if blockers := _blockers(addresses, dask_scheduler):
-        return {"status": "busy", "blockers": blockers}
+    if (blockers := _blockers(addresses, whole_cluster, dask_scheduler))["reasons"]:
+        return {"status": "busy", "blockers": blockers["reasons"]}
     stimulus = f"prefect-gpu-dask-restart-{time.time()}"
+    addresses = [a for a in addresses if a in dask_scheduler.workers]
     for address in addresses:
-        if address in dask_scheduler.workers:
-            # Paused workers get no new tasks between this check and the restart.
-            dask_scheduler.handle_worker_status_change("paused", address, stimulus)
+        # Paused workers get no new tasks between this check and the restart.
+        dask_scheduler.handle_worker_status_change("paused", address, stimulus)
     if whole_cluster:
         # What client.restart() does: forget every task, restart every worker.
         await dask_scheduler.restart(timeout=timeout, stimulus_id=stimulus)
         return {"status": "restarted", "result": {a: "OK" for a in addresses}}
+    # The drained workers run nothing: what is queued there never started, so it goes
+    # back to the scheduler (to another worker, or to the replacement) before the restart.
+    for address in addresses:
+        for ts in list(dask_scheduler.workers[address].processing):
+            dask_scheduler._reschedule(ts.key, address, stimulus_id=stimulus)
     result = await dask_scheduler.restart_workers(
-        [a for a in addresses if a in dask_scheduler.workers],
-        timeout=timeout,
-        stimulus_id=stimulus,
-        on_error="return",
+        addresses, timeout=timeout, stimulus_id=stimulus, on_error="return"
     )
     return {"status": "restarted", "result": {k: str(v) for k, v in result.items()}}
 
@@ -144,17 +168,10 @@ class RestartCoordinator:
         reason = record["restart_reason"]
         targets = self._targets(record)
         self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), reason)
+        attempt = self._try_cluster if self.policy == "cluster" else self._try_workers
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline:
-            with self.lock:  # no submission may depend on these workers meanwhile
-                if blockers := self.client.run_on_scheduler(_blockers, targets):
-                    outcome = {"status": "busy", "blockers": blockers}
-                else:
-                    self.detach(set(self.client.run_on_scheduler(_keys_on, targets)))
-                    outcome = self.client.run_on_scheduler(
-                        _restart_if_safe, targets, self.timeout, self.policy == "cluster"
-                    )
-            if outcome["status"] == "restarted":
+            if attempt(targets)["status"] == "restarted":
                 break
             time.sleep(POLL_S)
         else:
@@ -178,6 +195,34 @@ class RestartCoordinator:
             info.get("memory_after"),
         )
         self.on_restart(info)
+
+    def _try_workers(self, targets: list[str]) -> dict[str, Any]:
+        from prefect_gpu_dask.guard import drain, resume
+
+        running = self.client.run(drain, workers=targets, on_error="return")
+        if any(isinstance(n, int) and n > 0 for n in running.values()):
+            return {"status": "busy"}
+        with self.lock:  # no submission may come to depend on these workers meanwhile
+            blockers = self.client.run_on_scheduler(_blockers, targets, False)
+            if not blockers["reasons"]:
+                return self._restart_now(targets, whole_cluster=False)
+        if blockers["stuck"]:
+            self.client.run(resume, workers=targets, on_error="return")
+            time.sleep(RESUMED_S)
+        return {"status": "busy"}
+
+    def _try_cluster(self, targets: list[str]) -> dict[str, Any]:
+        with self.lock:  # nothing new enters the cluster until it is idle and restarted
+            until = time.monotonic() + HOLD_S
+            while time.monotonic() < until:
+                if not self.client.run_on_scheduler(_blockers, targets, True)["reasons"]:
+                    return self._restart_now(targets, whole_cluster=True)
+                time.sleep(POLL_S)
+        return {"status": "busy"}
+
+    def _restart_now(self, targets: list[str], whole_cluster: bool) -> dict[str, Any]:
+        self.detach(set(self.client.run_on_scheduler(_keys_on, targets)))
+        return self.client.run_on_scheduler(_restart_if_safe, targets, self.timeout, whole_cluster)
 
     def _after_restart(self, record: dict[str, Any], targets: list[str]) -> dict[str, Any]:
         """Find the replacement worker and read its GPU memory (its guard waited for release)."""

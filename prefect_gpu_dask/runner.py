@@ -179,7 +179,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 and bool(security.require_encryption or address.startswith("tls")),
                 allow_insecure=allow_insecure,
             )
-        self.guard_settings = GuardSettings(leak_threshold, memory_limit, restart_after_tasks)
+        self.guard_settings = GuardSettings(leak_threshold, memory_limit, restart_after_tasks, restart)
         self.router = TagRouter(tag_resources)
         self.security = security
         self.allow_insecure = allow_insecure
@@ -255,6 +255,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._start_local_cluster()
             client = DaskTaskRunner.client.fget(self)
             self._watch_worker_deaths(client)
+            self._warm_workers(client)
             self._connect_guard(client)
         return self._client
 
@@ -294,6 +295,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 InterruptedTasks.name,
                 exc,
             )
+
+    def _warm_workers(self, client: distributed.Client) -> None:
+        from prefect_gpu_dask.warmup import WarmImports
+
+        try:
+            client.register_plugin(WarmImports(), name=WarmImports.name)
+        except Exception as exc:  # workers without prefect-gpu-dask fail their first task anyway
+            self.logger.debug("Could not pre-import Prefect on the workers: %s", exc)
 
     def _connect_guard(self, client: distributed.Client) -> None:
         offered = self._offered_resources(force=True)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from distributed import Client
+from distributed import Client, LocalCluster
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -23,7 +23,7 @@ from prefect.client.schemas.filters import (
 from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner, GPUMemoryGuard, GuardSettings
-from prefect_gpu_dask.guard import PLUGIN_NAME
+from prefect_gpu_dask.guard import PLUGIN_NAME, drain
 from tests.scripted_probe import churn, fake_probe, leak
 
 MiB = 2**20
@@ -73,6 +73,11 @@ def double(ledger: str, x: int) -> int:
     return 2 * x
 
 
+@task(tags=["gpu"])
+def gpu_double(ledger: str, x: int) -> tuple[int, int]:
+    return 2 * x, note_run(ledger, "gpu_double")
+
+
 def runs(ledger: Path) -> list[str]:
     return [line.split()[0] for line in ledger.read_text().splitlines()]
 
@@ -104,10 +109,10 @@ def test_leak_restarts_only_that_worker_and_loses_nothing(dask_processes, tmp_pa
 
     @flow(task_runner=GPUDaskTaskRunner(address=address, leak_threshold="256MiB"))
     def nightly():
+        old_pid = clean.submit(ledger, -1).result()
         leaked = leaky.submit(ledger, 512 * MiB)
         doubled = double.submit(ledger, leaked)  # depends on a result held by the leaking worker
         others = [clean.submit(ledger, i) for i in range(6)]
-        old_pid = others[0].result()
         new_pid = wait_for_new_pid(ledger, old_pid)
         after = double.submit(ledger, leaked)  # submitted after the restart: must not rerun leaky
         runner = FlowRunContext.get().task_runner
@@ -151,23 +156,20 @@ def test_pool_churn_is_clean_and_never_restarts(dask_processes, tmp_path):
     assert len(set(pids)) == 1
     [artifact] = gpu_memory_artifact(flow_run_id)
     assert '"verdict": "leak"' not in artifact.data
-    assert (
-        artifact.data.count('"verdict": "cached"') + artifact.data.count('"verdict": "clean"') == 3
-    )
+    assert artifact.data.count('"verdict": "cached"') + artifact.data.count('"verdict": "clean"') == 3
 
 
 @pytest.mark.parametrize("policy", ["cluster", "never"])
 def test_restart_policies(dask_processes, tmp_path, policy):
-    address = start_guarded_cluster(dask_processes, GuardSettings())
+    # The runner registers the guard with its own settings; here the test does, as the
+    # first registration wins, and the worker must know the policy to drain (or not).
+    address = start_guarded_cluster(dask_processes, GuardSettings(restart=policy))
     ledger = str(tmp_path / "ledger")
 
     @flow(task_runner=GPUDaskTaskRunner(address=address, restart=policy))
     def nightly():
         with Client(address) as probe_client:
-            before = {
-                w["name"]: a
-                for a, w in probe_client.scheduler_info(n_workers=-1)["workers"].items()
-            }
+            before = {w["name"]: a for a, w in probe_client.scheduler_info(n_workers=-1)["workers"].items()}
         leaky.submit(ledger, 512 * MiB).result()
         deadline = time.monotonic() + (30 if policy == "cluster" else 5)
         runner = FlowRunContext.get().task_runner
@@ -183,9 +185,7 @@ def test_restart_policies(dask_processes, tmp_path, policy):
         [restart] = restarts
         assert restart["policy"] == "cluster"
         with Client(address) as client:
-            after = {
-                w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
-            }
+            after = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         assert set(after) == set(before)
         assert all(after[name] != before[name] for name in before), (before, after)
 
@@ -203,3 +203,65 @@ def test_restart_after_tasks_recycles_on_count(dask_processes, tmp_path):
     pids, new_pid, restarts = recycled()
     assert len(set(pids)) == 1 and new_pid != pids[0]
     assert restarts[0]["reason"].startswith("recycle: 3 GPU tasks")
+
+
+def test_no_task_starts_on_a_leaking_worker_after_its_verdict(dask_processes, tmp_path):
+    """The only GPU worker leaks while 12 GPU tasks wait for its slot: none of them
+    starts in the leaking process; all run once, in the replacement, which comes at
+    once instead of after the queue has drained."""
+    address = start_guarded_cluster(dask_processes, GuardSettings())
+    ledger = str(tmp_path / "ledger")
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def queued_behind_a_leak():
+        old_pid = clean.submit(ledger, -1).result()
+        leaked = leaky.submit(ledger, 512 * MiB)
+        queued = [clean.submit(ledger, i) for i in range(12)]  # GPU=1 each: they queue
+        return old_pid, leaked.result(), [f.result() for f in queued], runner_restarts()
+
+    old_pid, leaked, pids, restarts = queued_behind_a_leak()
+    assert leaked == 21
+    [restart] = restarts
+    assert set(pids) == {restart["new_pid"]} and old_pid not in pids, (old_pid, pids, restart)
+    ids = runs(Path(ledger))
+    assert len(ids) == len(set(ids)) == 14, "a task ran twice or went missing"
+
+
+def test_a_drained_worker_still_runs_what_only_it_can(dask_processes, tmp_path):
+    """A GPU task needs the leaking task's result and only the leaking worker has a
+    GPU: it runs there (the drain steps aside for it), then the worker restarts."""
+    address = start_guarded_cluster(dask_processes, GuardSettings())
+    ledger = str(tmp_path / "ledger")
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def dependent_on_the_leak():
+        leaked = leaky.submit(ledger, 512 * MiB)
+        doubled = gpu_double.submit(ledger, leaked)  # depends on a result only that worker holds
+        return doubled.result(), runner_restarts(wait=True)
+
+    (value, pid), restarts = dependent_on_the_leak()
+    assert value == 42
+    [restart] = restarts
+    assert pid == restart["pid"] != restart["new_pid"]  # ran in the leaking process, before it went
+    assert Path(ledger).read_text().count("leaky") == 1
+
+
+def test_drain_stops_new_tasks_and_expires():
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            [running] = client.run(drain, expiry_s=1.0).values()
+            assert running == 0
+            statuses = [w["status"] for w in client.scheduler_info()["workers"].values()]
+            assert statuses == ["closing_gracefully"]
+            future = client.submit(sum, [1, 2])
+            time.sleep(0.5)
+            assert not future.done(), "a drained worker started a task"
+            assert future.result(timeout=10) == 3  # the drain expired: nobody restarted it
+
+
+def runner_restarts(wait: bool = True, timeout: float = 60) -> list[dict]:
+    runner = FlowRunContext.get().task_runner
+    deadline = time.monotonic() + timeout
+    while wait and not runner._restarts.restarts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return list(runner._restarts.restarts)

@@ -96,6 +96,7 @@ def test_restart_after_tasks():
         ({"memory_limit": float("nan")}, "nan"),
         ({"restart_after_tasks": 0}, "0"),
         ({"restart_after_tasks": 2.5}, "2.5"),
+        ({"restart": "sometimes"}, "'sometimes'"),
     ],
 )
 def test_bad_settings_name_the_value(kwargs, bad):

@@ -372,9 +372,10 @@ def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProce
     assert [r for r, _ in out["cpu"]] == [i + 1000 for i in range(n)]
     assert out["combined"] == [i * i + i + 1000 for i in range(n)]
     assert [r for r, _ in out["fresh"]] == [(100 + i) ** 2 for i in range(5)]
-    # GPU tasks ran in the old process, the fresh ones in its replacement; CPU tasks on
-    # the CPU worker, which was never restarted.
-    assert {pid for _, pid in out["gpu"]} == {pid_before["gpu-worker"]}
+    # The GPU tasks queued behind the leak never started in the leaking process: they
+    # ran in its replacement, like the fresh ones; CPU tasks on the CPU worker, which
+    # was never restarted.
+    assert {pid for _, pid in out["gpu"]} == {restart["new_pid"]}
     assert {pid for _, pid in out["fresh"]} == {restart["new_pid"]}
     assert {pid for _, pid in out["cpu"]} == {pid_before["cpu-worker"]}
 
