@@ -3,17 +3,37 @@
 A task that holds the worker's ``GPU`` slot and then waits for its own chunks would
 deadlock if the chunks needed that slot or that thread. Here the chunks carry no
 resource annotation, and the waiting thread leaves the worker's pool
-(``worker_client`` secedes), so the chunks spread over every worker of the cluster,
-this one included. On a one-worker cluster the chunks run in-process on the
-threads scheduler instead: the same GPU, without a scheduler round trip per chunk.
+(``worker_client`` secedes), so the chunks spread over every GPU worker of the
+cluster, this one included.
+
+How they spread: a GPU chunk often holds only milliseconds of kernel time, so the
+distributed scheduler's per-task round trip (~1 ms, under the worker's GIL) is what
+limits it. On one worker the graph runs in-process on the threads scheduler. On
+several, a graph that splits into independent pieces (maps, tree reductions: each
+task's inputs come from one group of roots) runs as one threads-scheduler call per
+GPU worker, and only the few tasks that join the pieces run here. Measured on 2xH200
+(speed-cube): distributed 0.76 s on one GPU, 0.42 s on two; threads scheduler 0.53 s
+on one. Graphs that do not split (shuffles, inputs already held by the cluster) go
+to the distributed scheduler unchanged.
 """
 
 from __future__ import annotations
 
+import graphlib
+from collections.abc import Hashable, Mapping
 from typing import Any
 
+import cloudpickle
 import dask
 import distributed
+
+from prefect_gpu_dask.routing import GPU_RESOURCE
+
+# Dask would plan P2P shuffles/rechunks with a distributed client around; the threads
+# scheduler cannot run those.
+TASKS_BASED = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
+# Split only when the joining tasks are at most this share of the graph.
+MAX_JOIN_SHARE = 0.25
 
 
 def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]:
@@ -23,12 +43,98 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     except ValueError:
         return dask.compute(*collections, **compute_kwargs)
     with distributed.worker_client() as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = _gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
         if len(workers) == 1:
-            # With a distributed client around, Dask would plan P2P shuffles/rechunks,
-            # which the threads scheduler cannot run: ask for task-based ones.
-            tasks_based = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
-            with dask.config.set(tasks_based):
+            with dask.config.set(TASKS_BASED):
                 return dask.compute(*collections, scheduler="threads", **compute_kwargs)
+        if not compute_kwargs:
+            with dask.config.set(TASKS_BASED):
+                split = _split_compute(client, workers, collections)
+            if split is not None:
+                return split
         futures = client.compute(list(collections), **compute_kwargs)
         return tuple(client.gather(futures))
+
+
+def _gpu_workers(workers: Mapping[str, Any]) -> list[str]:
+    gpu = [a for a, w in workers.items() if (w.get("resources") or {}).get(GPU_RESOURCE, 0) > 0]
+    return sorted(gpu or workers)
+
+
+def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    from dask._expr import FinalizeCompute
+    from dask._task_spec import DataNode
+    from dask.base import collections_to_expr, unpack_collections
+    from dask.core import flatten
+
+    unpacked, repack = unpack_collections(*collections)
+    if not unpacked:
+        return collections
+    expr = FinalizeCompute(collections_to_expr(unpacked, True)).optimize()
+    keys = list(flatten(expr.__dask_keys__()))
+    graph = dict(expr.__dask_graph__())
+    plan = split_graph(graph, keys, len(workers))
+    if plan is None:
+        return None
+    parts, join = plan
+    futures = [
+        # Pickled here: Dask would read the task objects inside as dependencies of this one.
+        client.submit(
+            _run_part,
+            cloudpickle.dumps(part),
+            outputs,
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
+        )
+        for worker, (part, outputs) in zip(workers, parts, strict=False)
+    ]
+    held: dict[Hashable, Any] = {}
+    for produced in client.gather(futures):
+        held.update(produced)
+    if join:
+        final = {**{k: DataNode(k, v) for k, v in held.items()}, **join}
+        values = dask.get(final, keys) if keys else []
+    else:
+        values = [held[k] for k in keys]
+    return repack(values)
+
+
+def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> dict[Hashable, Any]:
+    with dask.config.set(TASKS_BASED):
+        values = dask.threaded.get(cloudpickle.loads(pickled_part), outputs)
+    return dict(zip(outputs, values, strict=True))
+
+
+def split_graph(
+    graph: Mapping[Hashable, Any], keys: list[Hashable], n: int
+) -> tuple[list[tuple[dict[Hashable, Any], list[Hashable]]], dict[Hashable, Any]] | None:
+    """Split a task graph into ``n`` independent parts plus the tasks that join them.
+
+    Roots are dealt out in contiguous runs (in key order, so neighbouring chunks stay
+    together); a task belongs to a part when all its inputs do. Returns
+    ``([(part_graph, part_outputs), ...], join_graph)``, or None when the graph does
+    not split well (too few roots, inputs from outside, a large join).
+    """
+    dependencies = {key: set(node.dependencies) for key, node in graph.items()}
+    if any(dep not in graph for deps in dependencies.values() for dep in deps):
+        return None  # reads data the cluster already holds: leave placement to Dask
+    roots = sorted((key for key, deps in dependencies.items() if not deps), key=str)
+    if len(roots) < 2 * n:
+        return None
+    group: dict[Hashable, int | None] = {root: i * n // len(roots) for i, root in enumerate(roots)}
+    for key in graphlib.TopologicalSorter(dependencies).static_order():
+        if key not in group:
+            owners = {group[dep] for dep in dependencies[key]}
+            group[key] = owners.pop() if len(owners) == 1 else None
+    join = {key: graph[key] for key, g in group.items() if g is None}
+    if len(join) > max(n, MAX_JOIN_SHARE * len(graph)):
+        return None
+    wanted = set(keys) | {dep for key in join for dep in dependencies[key]}
+    parts: list[tuple[dict[Hashable, Any], list[Hashable]]] = [({}, []) for _ in range(n)]
+    for key, g in group.items():
+        if g is not None:
+            parts[g][0][key] = graph[key]
+            if key in wanted:
+                parts[g][1].append(key)
+    return parts, join

@@ -1,0 +1,94 @@
+"""compute_on_gpus from inside a task on a real two-worker cluster, and the graph split behind it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask._expr import FinalizeCompute
+from dask.base import collections_to_expr
+from dask.core import flatten
+from distributed import Client, LocalCluster, get_task_stream
+
+from prefect_gpu_dask import compute_on_gpus
+from prefect_gpu_dask.collections import split_graph
+
+
+def speed_cube(seed: int, n: int = 2000, chunk: int = 250):
+    x = da.random.RandomState(seed).normal(10, 1, size=(n, n), chunks=(chunk, chunk))
+    return (x[::2, ::2] + 1).mean()
+
+
+def graph_of(*collections):
+    expr = FinalizeCompute(collections_to_expr(collections, True)).optimize()
+    return dict(expr.__dask_graph__()), list(flatten(expr.__dask_keys__()))
+
+
+def test_a_tree_reduction_splits_into_independent_halves():
+    graph, keys = graph_of(speed_cube(0))
+    parts, join = split_graph(graph, keys, 2)
+    assert len(parts) == 2
+    (left, left_out), (right, right_out) = parts
+    assert not left.keys() & right.keys()
+    assert left.keys() | right.keys() | join.keys() == graph.keys()
+    assert len(join) <= 2  # only the last aggregation joins the halves
+    for part, _ in parts:  # each half is self-contained
+        assert all(dep in part for node in part.values() for dep in node.dependencies)
+    needed = {dep for node in join.values() for dep in node.dependencies} | set(keys)
+    assert needed <= set(left_out) | set(right_out) | join.keys()
+
+
+def test_graphs_that_do_not_split_are_left_to_dask():
+    x = da.random.RandomState(1).random((400, 400), chunks=(400, 10))
+    with dask.config.set({"array.rechunk.method": "tasks"}):
+        assert split_graph(*graph_of(x.rechunk((10, 400)).sum()), 2) is None  # all-to-all
+    assert split_graph(*graph_of(speed_cube(0, n=500, chunk=500)), 2) is None  # one root, two parts
+    graph, keys = graph_of(speed_cube(0))
+    one_root = next(k for k, node in graph.items() if not node.dependencies)
+    del graph[one_root]  # now a task reads a key from outside the graph
+    assert split_graph(graph, keys, 2) is None
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+def spread_cube(seed: int):
+    return compute_on_gpus(speed_cube(seed))
+
+
+def array_and_sum(seed: int):
+    x = da.random.RandomState(seed).random((400, 400), chunks=100)
+    return compute_on_gpus(x + 1, x.sum(axis=0))
+
+
+def test_compute_on_gpus_runs_one_piece_per_worker(two_workers):
+    with get_task_stream(two_workers) as stream:
+        (mean,) = two_workers.submit(spread_cube, 7, pure=False).result()
+    assert mean == dask.compute(speed_cube(7), scheduler="sync")[0]
+    pieces = Counter(t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part"))
+    assert len(pieces) == 2 and set(pieces.values()) == {1}, pieces
+
+    plus, sums = two_workers.submit(array_and_sum, 3, pure=False).result()
+    x = da.random.RandomState(3).random((400, 400), chunks=100)
+    expected_plus, expected_sums = dask.compute(x + 1, x.sum(axis=0), scheduler="sync")
+    assert np.array_equal(plus, expected_plus) and np.allclose(sums, expected_sums)
+
+
+def rechunked_sum(seed: int):
+    x = da.random.RandomState(seed).random((400, 400), chunks=(400, 10))
+    return compute_on_gpus(x.rechunk((10, 400)).sum())
+
+
+def test_a_graph_that_does_not_split_still_spreads_over_both_workers(two_workers):
+    with get_task_stream(two_workers) as stream:
+        (total,) = two_workers.submit(rechunked_sum, 5, pure=False).result()
+    x = da.random.RandomState(5).random((400, 400), chunks=(400, 10))
+    assert np.isclose(total, x.sum().compute(scheduler="sync"))
+    assert len({t["worker"] for t in stream.data}) == 2
