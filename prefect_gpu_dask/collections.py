@@ -46,7 +46,9 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         workers = _gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
         if len(workers) == 1:
             with dask.config.set(TASKS_BASED):
-                return dask.compute(*collections, scheduler="threads", **compute_kwargs)
+                return dask.compute(
+                    *collections, scheduler="threads", num_workers=_threads(), **compute_kwargs
+                )
         if not compute_kwargs:
             with dask.config.set(TASKS_BASED):
                 split = _split_compute(client, workers, collections)
@@ -100,9 +102,14 @@ def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]
     return repack(values)
 
 
+def _threads() -> int:
+    """As many threads as this worker has: as much GPU work at once as the user allowed."""
+    return distributed.get_worker().state.nthreads
+
+
 def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> dict[Hashable, Any]:
     with dask.config.set(TASKS_BASED):
-        values = dask.threaded.get(cloudpickle.loads(pickled_part), outputs)
+        values = dask.threaded.get(cloudpickle.loads(pickled_part), outputs, num_workers=_threads())
     return dict(zip(outputs, values, strict=True))
 
 
