@@ -22,6 +22,8 @@ from typing import Any
 
 import dask.array as da
 
+from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
+
 RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30
 
@@ -82,10 +84,6 @@ def check_cube(value: Any) -> float:
 
 # -- (a) speed-cube ---------------------------------------------------------------
 def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> dict[str, Any]:
-    from prefect import flow, task
-
-    from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus
-
     out: dict[str, Any] = {"n": n, "chunk": chunk, "cpu_n": cpu_n}
     # The host's cores, threads scheduler, NumPy.
     cpu_s = best_of(lambda: check_cube(speed_cube_expr(cpu_n, chunk, False).compute(scheduler="threads")), 1)
@@ -99,21 +97,30 @@ def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> 
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    with LocalCUDACluster(threads_per_worker=4) as cluster, Client(cluster) as client:
+    with LocalCUDACluster(threads_per_worker=GPU_WORKER_THREADS) as cluster, Client(cluster) as client:
         out["raw_local_cuda_cluster_s"] = best_of(
             lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
         )
+
+    out["runner_s"] = cube_through_runner(n, chunk, repeat)
+    return out
+
+
+def cube_through_runner(n: int, chunk: int, repeat: int, **runner_kwargs: Any) -> float:
+    """The speed-cube as one gpu task that computes its chunks with ``compute_on_gpus``."""
+    from prefect import flow, task
+
+    from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus
 
     @task(tags=["gpu"])
     def cube() -> float:
         return check_cube(compute_on_gpus(speed_cube_expr(n, chunk, True))[0])
 
-    @flow(task_runner=GPUDaskTaskRunner())
+    @flow(task_runner=GPUDaskTaskRunner(**runner_kwargs))
     def through_runner() -> float:
         return best_of(lambda: cube.submit().result(), repeat)
 
-    out["runner_s"] = through_runner()
-    return out
+    return through_runner()
 
 
 # -- (b) per-task overhead --------------------------------------------------------
@@ -187,8 +194,14 @@ def bench_guard(samples: int) -> dict[str, Any]:
         ticket, before, started = guard.begin()
         guard.end(ticket, before, started)
         costs.append(time.perf_counter() - start)
+    reads = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        guard.probe.sample()
+        reads.append(time.perf_counter() - start)
     return {
         "guard_us": statistics.median(costs) * 1e6,
+        "nvml_sample_us": statistics.median(reads) * 1e6,  # one probe read; the guard makes two
         "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
         "samples": samples,
     }
@@ -218,8 +231,11 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         start = time.perf_counter()
         runner.client  # noqa: B018
         started = time.perf_counter() - start
+        start = time.perf_counter()
+        pid.submit().result()  # Prefect's engine loads on the workers in the background meanwhile
+        first_task = time.perf_counter() - start
         if not gpu:
-            return {"cluster_start_s": started}
+            return {"cluster_start_s": started, "first_task_s": first_task}
         import pynvml
 
         pynvml.nvmlInit()
@@ -239,7 +255,8 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         [restart] = runner._restarts.restarts
         assert restart["new_pid"] != old
         return {
-            "cluster_start_s": started,
+            "cluster_start_s": started,  # runner.client: cluster up, plugins registered
+            "first_task_s": first_task,  # then the first trivial gpu task, submit to result
             "leaked_bytes": leaked,
             "leak_recovery_s": recovered_s,  # leak verdict -> device memory back at baseline
             "worker_back_s": restart["recovery_s"],  # -> replacement worker ready
@@ -251,6 +268,7 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
 
 # -- (f) scaling ------------------------------------------------------------------
 def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
+    """1, 2, 4, 8 GPUs: through the runner (one gpu task, compute_on_gpus) and raw Dask."""
     import pynvml
     from dask_cuda import LocalCUDACluster
     from distributed import Client
@@ -262,13 +280,22 @@ def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
         if k > count:
             continue
         devices = ",".join(str(i) for i in range(k))
-        with LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=4) as cl, Client(cl) as client:
-            out[f"{k}gpu_s"] = best_of(
+        out[f"runner_{k}gpu_s"] = cube_through_runner(
+            n, chunk, repeat, cluster_kwargs={"CUDA_VISIBLE_DEVICES": devices}
+        )
+        with (
+            LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=GPU_WORKER_THREADS) as cl,
+            Client(cl) as client,
+        ):
+            out[f"raw_distributed_{k}gpu_s"] = best_of(
                 lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
             )
     for k in (2, 4, 8):
-        if f"{k}gpu_s" in out:
-            out[f"scaling_{k}gpu"] = out["1gpu_s"] / out[f"{k}gpu_s"]
+        if f"runner_{k}gpu_s" in out:
+            out[f"scaling_{k}gpu"] = out["runner_1gpu_s"] / out[f"runner_{k}gpu_s"]
+            out[f"raw_distributed_scaling_{k}gpu"] = (
+                out["raw_distributed_1gpu_s"] / out[f"raw_distributed_{k}gpu_s"]
+            )
     return out
 
 
@@ -343,7 +370,9 @@ def write(result: dict[str, Any], out: Path) -> None:
         "guard_us": result.get("guard", {}).get("guard_us"),
         "leak_recovery_s": result.get("leak", {}).get("leak_recovery_s"),
         "cluster_start_s": result.get("leak", {}).get("cluster_start_s"),
+        "first_task_s": result.get("leak", {}).get("first_task_s"),
         "scaling_2gpu": result.get("scaling", {}).get("scaling_2gpu"),
+        "scaling_2gpu_raw_distributed": result.get("scaling", {}).get("raw_distributed_scaling_2gpu"),
         "source": path.name,
     }
     if result["device"].startswith("CPU only"):
@@ -373,6 +402,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("guard per task (µs, median)", result.get("guard", {}).get("guard_us")),
         ("leak -> memory recovered (s)", result.get("leak", {}).get("leak_recovery_s")),
         ("cluster start (s)", result.get("leak", {}).get("cluster_start_s")),
+        ("then first trivial task (s)", result.get("leak", {}).get("first_task_s")),
     ]
     for k, v in result.get("scaling", {}).items():
         rows.append((f"scaling {k}", v))

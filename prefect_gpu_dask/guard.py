@@ -149,6 +149,12 @@ class PeakSampler:
     def _run(self) -> None:
         while True:
             self._wake.wait()
+            # A task shorter than one interval is bounded by its before/after samples:
+            # sampling it would only compete with it (and with the guard's own reads).
+            time.sleep(self._interval)
+            with self._lock:
+                if not self._peaks:
+                    continue
             try:
                 used = self._probe.sample().judged
             except Exception:  # a failing read must never break the worker
@@ -157,7 +163,6 @@ class PeakSampler:
                 for ticket, peak in self._peaks.items():
                     if used > peak:
                         self._peaks[ticket] = used
-            time.sleep(self._interval)
 
 
 class GPUMemoryGuard(WorkerPlugin):
