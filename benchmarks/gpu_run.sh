@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one batch (see ../shared/device/README.md):
 # GPU tests, the GPU flows, the benchmark suite. Output goes to $OUT (default ./gpu-out).
+#   PHASES=tests,flows,bench (default: all three)   BENCH_ARGS="--sections cube,scaling"
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
+PHASES=${PHASES:-tests,flows,bench}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
 fi
 export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-quiet() { grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloading|utils_perf)|^\s*$"; }
+quiet() { grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloading|utils_perf|shuffle)|^\s*$"; }
 {
   echo "# $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd';'); $(nproc) host cores; $(date -u +%FT%TZ)"
   python3 -c "import dask, distributed, dask_cuda, prefect, cupy; print('dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__)"
 } > "$OUT/environment.txt" 2>&1
-timeout 170 python3 -m pytest -p no:cacheprovider -m gpu -v -s tests/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
-for flow in speed_cube leak_demo; do
-  timeout 75 python3 "flows/$flow.py" 2>&1 | quiet > "$OUT/flow-$flow.txt"
-  echo "flows/$flow.py exit $?" >> "$OUT/flow-$flow.txt"
-done
-timeout 250 python3 benchmarks/run.py --out "$OUT/results" 2>&1 | quiet > "$OUT/bench.txt"
-tail -3 "$OUT/gpu-tests.txt"; tail -2 "$OUT"/flow-*.txt; tail -30 "$OUT/bench.txt"
+if [[ $PHASES == *tests* ]]; then
+  timeout 200 python3 -m pytest -p no:cacheprovider -m gpu -v -s tests/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
+  tail -3 "$OUT/gpu-tests.txt"
+fi
+if [[ $PHASES == *flows* ]]; then
+  for flow in speed_cube svd leak_demo; do
+    timeout 90 python3 "flows/$flow.py" 2>&1 | quiet > "$OUT/flow-$flow.txt"
+    echo "flows/$flow.py exit $?" >> "$OUT/flow-$flow.txt"
+    tail -2 "$OUT/flow-$flow.txt"
+  done
+fi
+if [[ $PHASES == *bench* ]]; then
+  timeout 400 python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 | quiet > "$OUT/bench.txt"
+  tail -40 "$OUT/bench.txt"
+fi

@@ -148,7 +148,9 @@ def bench_per_task(n: int, gpu: bool) -> dict[str, Any]:
 
         return many()
 
-    cluster = {"threads_per_worker": 4} if gpu else {"n_workers": 1, "threads_per_worker": 4}
+    # The runner's own defaults on a GPU host (one worker per GPU, GPU_WORKER_THREADS each);
+    # prefect-dask gets the same cluster.
+    cluster = {"threads_per_worker": GPU_WORKER_THREADS} if gpu else {"n_workers": 1, "threads_per_worker": 4}
     cuda = "dask_cuda.LocalCUDACluster" if gpu else None
     dask_kwargs = {
         "cluster_class": cuda,
