@@ -6,7 +6,10 @@ counting GPUs on the flow host never grabs device memory.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from distributed.diagnostics import nvml as _dask_nvml
@@ -69,14 +72,44 @@ def process_memory(handle: Any, pid: int) -> int:
     """
     import pynvml
 
-    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+    for proc in _compute_processes(handle):
         if proc.pid == pid:
             used = proc.usedGpuMemory
-            return -1 if used is None else int(used)
+            unknown = used is None or used == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+            return -1 if unknown else int(used)
     return 0
 
 
 def process_pids(handle: Any) -> list[int]:
+    return [proc.pid for proc in _compute_processes(handle)]
+
+
+_buffers = threading.local()
+PROCESS_SLOTS = 32
+
+
+def _compute_processes(handle: Any) -> Sequence[Any]:
+    """NVML's compute-process list in one driver call, into a per-thread buffer.
+
+    pynvml's ``nvmlDeviceGetComputeRunningProcesses`` asks the driver for the count,
+    then fills a fresh array and turns every entry into a Python object: two thirds of
+    a guard reading (~44 µs on an H200). This is the same driver function, called once.
+    """
     import pynvml
 
-    return [proc.pid for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+    try:
+        function = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        entry = pynvml.c_nvmlProcessInfo_v3_t
+    except (AttributeError, pynvml.NVMLError_FunctionNotFound):  # older driver or pynvml
+        return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    buffer = getattr(_buffers, "buffer", None)
+    while True:
+        if buffer is None:
+            buffer = _buffers.buffer = (entry * PROCESS_SLOTS)()
+        count = ctypes.c_uint(len(buffer))
+        status = function(handle, ctypes.byref(count), buffer)
+        if status != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            break
+        buffer = _buffers.buffer = (entry * (2 * count.value + 5))()  # room for newcomers
+    pynvml._nvmlCheckReturn(status)
+    return buffer[: count.value]
