@@ -3,8 +3,8 @@
 ``leak`` keeps a CuPy array (512 MiB by default) alive in a module-level list of the
 worker process. The runner's guard (``leak_threshold="256MiB"``) sees the task
 leave that much behind on its GPU, and the runner restarts that worker once it is
-idle: the next ``gpu`` task on it runs in a new process, with the memory back. The
-flow asserts exactly that, polling for up to ``timeout_s`` seconds for the new pid.
+idle: the worker comes back as a new process, with the memory back. The flow asserts
+exactly that, asking the worker for its pid for up to ``timeout_s`` seconds.
 
 Without a GPU nothing can leak GPU memory: ``leak`` logs that and keeps nothing,
 the guard is a no-op, and the flow asserts only that every task still completes.
@@ -76,6 +76,16 @@ def whoami() -> dict[str, Any]:
     return _where()
 
 
+def _pid_of(client: Any, worker_name: str) -> int | None:
+    """The PID of the Dask worker called ``worker_name``, None while it is away."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    address = next((a for a, w in workers.items() if str(w["name"]) == worker_name), None)
+    if address is None:
+        return None
+    pid = client.run(os.getpid, workers=[address], on_error="return").get(address)
+    return pid if isinstance(pid, int) else None  # a worker mid-restart may not answer
+
+
 @flow(name="leak-demo", task_runner=GPUDaskTaskRunner(leak_threshold=LEAK_THRESHOLD))
 def leak_demo(mib: int = 512, timeout_s: float = 60.0) -> dict[str, Any]:
     """One leaking ``gpu`` task; asserts (on a GPU) that its worker comes back as a new process."""
@@ -99,13 +109,13 @@ def leak_demo(mib: int = 512, timeout_s: float = 60.0) -> dict[str, Any]:
         report.update(after=after, guard="no-op")
         return report
 
-    # On a multi-GPU host the next gpu task may land on another worker: wait until the
-    # leaking worker (same name, kept across a nanny restart) answers from a new pid.
+    # Ask the leaking worker itself (its name survives a nanny restart): on a multi-GPU
+    # host the next gpu task would likely land on another, idle, GPU.
     deadline = time.monotonic() + timeout_s
     after = leaked
     while time.monotonic() < deadline:
-        after = whoami.submit().result()
-        if after["worker"] == leaked["worker"] and after["pid"] != leaked["pid"]:
+        after = {"worker": leaked["worker"], "pid": _pid_of(runner.client, leaked["worker"])}
+        if after["pid"] not in (None, leaked["pid"]):
             report["restarted"] = True
             break
         time.sleep(0.1)
