@@ -59,8 +59,10 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
 
 
 def _gpu_workers(workers: Mapping[str, Any]) -> list[str]:
-    gpu = [a for a, w in workers.items() if (w.get("resources") or {}).get(GPU_RESOURCE, 0) > 0]
-    return sorted(gpu or workers)
+    """Workers taking tasks (not draining for a restart), GPU ones if there are any."""
+    running = {a: w for a, w in workers.items() if w.get("status", "running") == "running"} or workers
+    gpu = [a for a, w in running.items() if (w.get("resources") or {}).get(GPU_RESOURCE, 0) > 0]
+    return sorted(gpu or running)
 
 
 def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -86,7 +88,7 @@ def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]
             cloudpickle.dumps(part),
             outputs,
             workers=[worker],
-            allow_other_workers=False,
+            allow_other_workers=True,  # a preference: a worker restarting meanwhile must not strand it
             pure=False,
         )
         for worker, (part, outputs) in zip(workers, parts, strict=False)
@@ -113,6 +115,13 @@ def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> dict[Hashable, An
     return dict(zip(outputs, values, strict=True))
 
 
+def _chunk_order(key: Hashable) -> tuple[str, tuple[int, ...], str]:
+    """("x", 2, 10) before ("x", 10, 2): neighbouring chunks stay together."""
+    if isinstance(key, tuple) and key and all(isinstance(i, int) for i in key[1:]):
+        return str(key[0]), key[1:], ""
+    return str(key), (), str(key)
+
+
 def split_graph(
     graph: Mapping[Hashable, Any], keys: list[Hashable], n: int
 ) -> tuple[list[tuple[dict[Hashable, Any], list[Hashable]]], dict[Hashable, Any]] | None:
@@ -126,7 +135,7 @@ def split_graph(
     dependencies = {key: set(node.dependencies) for key, node in graph.items()}
     if any(dep not in graph for deps in dependencies.values() for dep in deps):
         return None  # reads data the cluster already holds: leave placement to Dask
-    roots = sorted((key for key, deps in dependencies.items() if not deps), key=str)
+    roots = sorted((key for key, deps in dependencies.items() if not deps), key=_chunk_order)
     if len(roots) < 2 * n:
         return None
     group: dict[Hashable, int | None] = {root: i * n // len(roots) for i, root in enumerate(roots)}

@@ -89,28 +89,34 @@ def _create_cuda_context() -> bool:
 
 
 _drains: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
+# Worker-side states of tasks assigned to this worker that have not started running.
+NOT_STARTED = {"waiting", "ready", "constrained"}
 
 
-def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> int:
-    """Stop a worker from starting tasks; return how many it is still running.
+def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> dict[str, Any]:
+    """Stop a worker from starting tasks; say what it still runs and what never started.
 
     Runs on the worker's event loop (``client.run`` or ``loop.add_callback``). The
     worker reports ``closing_gracefully``, as in ``retire_workers``: the scheduler
     sends it nothing new, tasks already queued there wait, running ones finish, and
     it still serves its results. Unlike ``paused``, the memory monitor never undoes it.
+    Each call re-arms the expiry: a drain ends by itself only once nobody asks for it.
     """
-    if dask_worker.status in (Status.running, Status.paused):
-        dask_worker.status = Status.closing_gracefully
+    if dask_worker.status in (Status.running, Status.paused) or dask_worker in _drains:
+        if dask_worker.status != Status.closing_gracefully:
+            dask_worker.status = Status.closing_gracefully
         token = _drains[dask_worker] = object()
         dask_worker.loop.call_later(expiry_s, _expire_drain, dask_worker, token)
     state = dask_worker.state
-    return len(state.executing) + len(state.long_running)
+    return {
+        "running": len(state.executing) + len(state.long_running),
+        "not_started": [ts.key for ts in state.tasks.values() if ts.state in NOT_STARTED],
+    }
 
 
 def resume(dask_worker: Any) -> None:
-    """Undo ``drain`` (the worker holds the only copy of something a queued task needs)."""
-    _drains.pop(dask_worker, None)
-    if dask_worker.status == Status.closing_gracefully:
+    """Undo our ``drain`` (never a ``retire_workers`` someone else started)."""
+    if _drains.pop(dask_worker, None) is not None and dask_worker.status == Status.closing_gracefully:
         dask_worker.status = Status.running
 
 

@@ -249,8 +249,8 @@ def test_a_drained_worker_still_runs_what_only_it_can(dask_processes, tmp_path):
 def test_drain_stops_new_tasks_and_expires():
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
-            [running] = client.run(drain, expiry_s=1.0).values()
-            assert running == 0
+            [report] = client.run(drain, expiry_s=1.0).values()
+            assert report == {"running": 0, "not_started": []}
             statuses = [w["status"] for w in client.scheduler_info()["workers"].values()]
             assert statuses == ["closing_gracefully"]
             future = client.submit(sum, [1, 2])

@@ -1,0 +1,157 @@
+"""The restart coordinator against the races a real cluster produces.
+
+Each test drives ``RestartCoordinator`` on a real ``LocalCluster`` (worker processes
+under nannies) the way the runner does after a guard verdict: the worker drains
+(``guard.drain``), the coordinator is asked to recycle it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import dask
+import dask.array as da
+import pytest
+from distributed import Client, LocalCluster
+
+from prefect_gpu_dask.collections import compute_on_gpus
+from prefect_gpu_dask.guard import drain
+from prefect_gpu_dask.restarts import RestartCoordinator
+
+
+def coordinator(client: Client, futures: dict | None = None, kept: dict | None = None) -> RestartCoordinator:
+    """``futures``/``kept``: what the runner's ``_detach`` does with Prefect futures."""
+
+    def detach(keys) -> None:
+        for key in set(keys) & set(futures or {}):
+            kept[key] = futures[key].result()
+            futures[key].release()
+
+    return RestartCoordinator(
+        client,
+        "worker",
+        detach=detach,
+        lock=threading.RLock(),
+        on_restart=lambda info: None,
+        logger=logging.getLogger("test-restarts"),
+    )
+
+
+def recycle(co: RestartCoordinator, worker: str, name: str, timeout: float = 30) -> dict:
+    co.request({"worker": worker, "restart_reason": "leak: test", "worker_name": name})
+    deadline = time.monotonic() + timeout
+    while not co.restarts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert co.restarts, f"{worker} was not recycled within {timeout} s"
+    return co.restarts[0]
+
+
+def cluster(**kwargs) -> LocalCluster:
+    return LocalCluster(processes=True, dashboard_address="127.0.0.1:0", host="127.0.0.1", **kwargs)
+
+
+def run_once(ledger: str) -> int:
+    with open(ledger, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    time.sleep(0.5)
+    return os.getpid()
+
+
+def slow_reports(dask_worker) -> None:
+    dask_worker.batched_stream.interval = 3  # a busy event loop or a slow link
+
+
+def test_a_task_finished_but_not_yet_reported_is_not_run_again(tmp_path):
+    ledger = str(tmp_path / "ledger")
+    with cluster(n_workers=2, threads_per_worker=1) as lc, Client(lc) as client:
+        w1, _ = sorted(client.scheduler_info()["workers"])
+        client.run(slow_reports, workers=[w1])
+        future = client.submit(run_once, ledger, workers=[w1], allow_other_workers=True, pure=False)
+        time.sleep(0.2)
+        client.run(drain, workers=[w1])
+        kept: dict = {}
+        co = coordinator(client, {future.key: future}, kept)
+        restart = recycle(co, w1, "0")
+        co.close(wait=True)
+    assert len(Path(ledger).read_text().splitlines()) == 1, "the task ran twice"
+    assert restart["worker"] == w1 and kept == {future.key: int(Path(ledger).read_text())}
+
+
+def slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slow"
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def test_a_task_needing_a_queued_task_and_a_held_result_does_not_stall_the_restart():
+    """C needs A (held by the drained worker) and B (queued there, never started)."""
+    with cluster(n_workers=1, threads_per_worker=1) as lc, Client(lc) as client:
+        [w] = client.scheduler_info()["workers"]
+        a = client.submit(inc, 1, key="A")
+        a.result()
+        s = client.submit(slow, 1.0, key="S")
+        time.sleep(0.3)
+        b = client.submit(inc, 10, key="B")
+        c = client.submit(add, a, b, key="C")
+        time.sleep(0.3)
+        client.run(drain, workers=[w])
+        co = coordinator(client)
+        started = time.monotonic()
+        recycle(co, w, "0", timeout=20)
+        assert time.monotonic() - started < 15
+        assert c.result(timeout=30) == 13 and s.result(timeout=30) == "slow"
+        co.close(wait=False)
+
+
+def gpu_work() -> str:
+    return "ran"
+
+
+def test_a_gpu_task_waits_out_a_long_drain_in_error_mode():
+    """on_missing_gpu="error" clusters fail tasks nobody can run after a timeout; a task
+    waiting for the only GPU worker to come back from a restart is not one of them."""
+    with dask.config.set({"distributed.scheduler.no-workers-timeout": "2s"}):
+        lc = cluster(n_workers=1, threads_per_worker=2, resources={"GPU": 1})
+    with lc, Client(lc) as client:
+        [w] = client.scheduler_info()["workers"]
+        busy = client.submit(slow, 5.0, pure=False)  # the drain lasts until this ends
+        time.sleep(0.5)
+        client.run(drain, workers=[w])
+        co = coordinator(client)
+        co.request({"worker": w, "restart_reason": "leak: test", "worker_name": "0"})
+        time.sleep(0.5)
+        gpu = client.submit(gpu_work, resources={"GPU": 1}, pure=False)
+        assert gpu.result(timeout=60) == "ran"
+        assert busy.result(timeout=30) == "slow"
+        timeout = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.no_workers_timeout)
+        assert timeout == 2, "the no-workers timeout was not restored after the restart"
+        co.close(wait=False)
+
+
+def sum_of_ones() -> float:
+    x = da.ones((400, 400), chunks=(50, 50))
+    return float(compute_on_gpus((x + 1).sum())[0])
+
+
+@pytest.mark.parametrize("restart_during", [True])
+def test_compute_on_gpus_survives_a_restart_of_another_worker(restart_during):
+    with cluster(n_workers=2, threads_per_worker=2) as lc, Client(lc) as client:
+        w1, w2 = sorted(client.scheduler_info()["workers"])
+        client.run(drain, workers=[w2])
+        co = coordinator(client)
+        future = client.submit(sum_of_ones, workers=[w1], pure=False)
+        time.sleep(0.5)
+        recycle(co, w2, "1")
+        assert future.result(timeout=30) == 2.0 * 400 * 400
+        co.close(wait=False)
