@@ -236,7 +236,7 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         runner.client  # noqa: B018
         started = time.perf_counter() - start
         start = time.perf_counter()
-        pid.submit().result()  # Prefect's engine loads on the workers in the background meanwhile
+        pid.submit().result()  # the first task run loads Prefect's engine on its worker
         first_task = time.perf_counter() - start
         if not gpu:
             return {"cluster_start_s": started, "first_task_s": first_task}

@@ -1,8 +1,8 @@
 """GPU Dask as a first-class Prefect 3 task runner.
 
 Names are imported on first use: a Dask worker that unpickles the guard plugin
-imports ``prefect_gpu_dask.guard`` alone, not Prefect (two seconds of every worker's
-start-up on the GPU machine).
+imports ``prefect_gpu_dask.guard`` alone, not Prefect (2.7 s of cluster start on the
+GPU machine). Prefect's engine loads with a worker's first task run.
 """
 
 from __future__ import annotations

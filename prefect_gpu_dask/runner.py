@@ -255,7 +255,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._start_local_cluster()
             client = DaskTaskRunner.client.fget(self)
             self._watch_worker_deaths(client)
-            self._warm_workers(client)
             self._connect_guard(client)
         return self._client
 
@@ -295,14 +294,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 InterruptedTasks.name,
                 exc,
             )
-
-    def _warm_workers(self, client: distributed.Client) -> None:
-        from prefect_gpu_dask.warmup import WarmImports
-
-        try:
-            client.register_plugin(WarmImports(), name=WarmImports.name)
-        except Exception as exc:  # workers without prefect-gpu-dask fail their first task anyway
-            self.logger.debug("Could not pre-import Prefect on the workers: %s", exc)
 
     def _connect_guard(self, client: distributed.Client) -> None:
         offered = self._offered_resources(force=True)
