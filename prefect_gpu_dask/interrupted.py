@@ -32,6 +32,9 @@ class InterruptedTasks(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
+    def restart(self, scheduler: Any) -> None:
+        self.running_on.clear()  # every task is forgotten
+
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:
             return
