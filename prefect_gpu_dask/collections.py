@@ -92,7 +92,7 @@ def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]
             allow_other_workers=True,  # a preference: a worker restarting meanwhile must not strand it
             pure=False,
         )
-        for worker, (part, outputs) in zip(workers, parts, strict=False)
+        for worker, (part, outputs) in zip(workers, parts, strict=True)
     ]
     held: dict[Hashable, Any] = {}
     for produced in client.gather(futures):
@@ -111,8 +111,8 @@ def _threads() -> int:
 
 
 def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> dict[Hashable, Any]:
-    with dask.config.set(TASKS_BASED):
-        values = dask.threaded.get(cloudpickle.loads(pickled_part), outputs, num_workers=_threads())
+    # The graph was built under TASKS_BASED on the caller: nothing left to configure here.
+    values = dask.threaded.get(cloudpickle.loads(pickled_part), outputs, num_workers=_threads())
     return dict(zip(outputs, values, strict=True))
 
 

@@ -9,6 +9,7 @@ and confirmed once more after the driver has had a moment to settle.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -79,6 +80,10 @@ class Verdict:
     restart_reason: str | None = None
 
 
+def _read(probe: MemoryProbe, cached_bytes: Callable[[], int]) -> MemorySample:
+    return probe.sample()._replace(cached=cached_bytes())
+
+
 def judge(
     probe: MemoryProbe,
     before: MemorySample,
@@ -92,10 +97,7 @@ def judge(
     Memory in use (``MemorySample.live``) is what is judged, so warm pools stay warm
     for the next task; only growth the pools cannot explain triggers the flush.
     """
-
-    def read() -> MemorySample:
-        return probe.sample()._replace(cached=cached_bytes())
-
+    read = functools.partial(_read, probe, cached_bytes)
     after = read()
     if after.live - before.live <= settings.leak_threshold:
         # The hot path: two NVML reads, no flush.
@@ -149,7 +151,7 @@ def verdict_for(
     if status != LEAK and over_limit(after, settings):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
-        after = probe.sample()._replace(cached=cached_bytes())
+        after = _read(probe, cached_bytes)
     delta = after.live - before.live
     return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
 
