@@ -165,6 +165,7 @@ class RestartCoordinator:
         on_restart: Callable[[dict[str, Any]], None],
         logger: logging.Logger,
         timeout: float = 60.0,
+        unfinished: Callable[[], int] = lambda: 0,
     ):
         self.client = client
         self.policy = policy
@@ -173,6 +174,8 @@ class RestartCoordinator:
         self.on_restart = on_restart
         self.logger = logger
         self.timeout = timeout
+        # The flow's own submissions still on their way: the scheduler cannot see them yet.
+        self.unfinished = unfinished
         self.restarts: list[dict[str, Any]] = []
         self._requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._pending: set[str] = set()
@@ -283,10 +286,13 @@ class RestartCoordinator:
         with self.lock:  # nothing new enters the cluster until it is idle and restarted
             until = time.monotonic() + HOLD_S
             while time.monotonic() < until and not self._closing.is_set():
-                if not self.client.run_on_scheduler(_blockers, targets, True)["reasons"]:
+                if not self.unfinished() and not self._blocked(targets, whole_cluster=True):
                     return self._restart_now(targets, whole_cluster=True)
                 time.sleep(POLL_S)
         return {"status": "busy"}
+
+    def _blocked(self, targets: list[str], whole_cluster: bool) -> list[str]:
+        return self.client.run_on_scheduler(_blockers, targets, whole_cluster)["reasons"]
 
     def _restart_now(self, targets: list[str], whole_cluster: bool) -> dict[str, Any]:
         self.detach(set(self.client.run_on_scheduler(_keys_on, targets)))

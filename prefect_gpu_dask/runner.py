@@ -311,6 +311,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             lock=self._submit_lock,
             on_restart=self._on_restart,
             logger=self.logger,
+            unfinished=self._unfinished,
         )
         self._guard_on = True
 
@@ -412,6 +413,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     def _on_restart(self, info: dict[str, Any]) -> None:
         reporting.emit_restart_event(info)
+
+    def _unfinished(self) -> int:
+        """Futures of this flow whose results the client has not seen yet."""
+        futures = list(self._futures.values())
+        return sum(not (getattr(f, "_detached", False) or f.wrapped_future.done()) for f in futures)
 
     def _detach(self, keys: Iterable[str]) -> None:
         """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
