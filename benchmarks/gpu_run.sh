@@ -6,10 +6,10 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 PHASES=${PHASES:-tests,flows,bench}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
+if [ -d .whl ] && [ ! -d /tmp/site/prefect ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site
 fi
+[ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
 export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 quiet() { grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloading|utils_perf|shuffle)|^\s*$"; }
 {

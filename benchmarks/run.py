@@ -299,7 +299,7 @@ def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
 
     pynvml.nvmlInit()
     count = pynvml.nvmlDeviceGetCount()
-    out: dict[str, Any] = {"gpus": count}
+    out: dict[str, Any] = {"gpus": count, "n": n, "chunk": chunk}
     for k in sorted({1, 2, 4, 8, count}):
         if k > count:
             continue
@@ -320,6 +320,7 @@ def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
             out[f"raw_distributed_scaling_{k}gpu"] = (
                 out["raw_distributed_1gpu_s"] / out[f"raw_distributed_{k}gpu_s"]
             )
+            out[f"efficiency_{k}gpu"] = out[f"scaling_{k}gpu"] / k
     return out
 
 
@@ -329,6 +330,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sections", default="cube,tasks,guard,leak,scaling")
     parser.add_argument("--tasks", default="200,1000")
+    parser.add_argument(
+        "--scaling-n", default="100000", help="cube sides for the scaling section; the first is the seed's"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -368,8 +372,12 @@ def run_sections(
         result["leak"] = bench_leak_and_start(gpu)
         print("leak", json.dumps(result["leak"], default=str), flush=True)
     if "scaling" in sections and gpu:
-        result["scaling"] = bench_scaling(n, chunk, args.repeat)
+        sides = [int(side) for side in args.scaling_n.split(",")]
+        result["scaling"] = bench_scaling(sides[0], chunk, args.repeat)
         print("scaling", json.dumps(result["scaling"]), flush=True)
+        for side in sides[1:]:  # more work per GPU: fixed costs weigh less
+            result[f"scaling_n{side}"] = bench_scaling(side, chunk, args.repeat)
+            print(f"scaling_n{side}", json.dumps(result[f"scaling_n{side}"]), flush=True)
 
 
 def write(result: dict[str, Any], out: Path) -> None:
@@ -428,8 +436,9 @@ def print_table(result: dict[str, Any]) -> None:
         ("cluster start (s)", result.get("leak", {}).get("cluster_start_s")),
         ("then first trivial task (s)", result.get("leak", {}).get("first_task_s")),
     ]
-    for k, v in result.get("scaling", {}).items():
-        rows.append((f"scaling {k}", v))
+    for section in sorted(key for key in result if key.startswith("scaling")):
+        for k, v in result[section].items():
+            rows.append((f"{section} {k}", v))
     width = max(len(r[0]) for r in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {fmt(value)}")
