@@ -28,6 +28,6 @@ if [[ $PHASES == *flows* ]]; then
   done
 fi
 if [[ $PHASES == *bench* ]]; then
-  timeout 400 python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 | quiet > "$OUT/bench.txt"
+  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 | quiet > "$OUT/bench.txt"
   tail -40 "$OUT/bench.txt"
 fi
