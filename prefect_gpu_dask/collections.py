@@ -8,12 +8,13 @@ cluster, this one included.
 
 How they spread: a GPU chunk often holds only milliseconds of kernel time, so the
 distributed scheduler's per-task round trip (~1 ms, under the worker's GIL) is what
-limits it. On one worker the graph runs in-process on the threads scheduler. On
-several, a graph that splits into independent pieces (maps, tree reductions: each
-task's inputs come from one group of roots) runs as one threads-scheduler call per
-GPU worker (this worker's share in the calling thread), and only the few tasks that
-join the pieces run here. Measured on 2xH200 (speed-cube): distributed 0.76 s on one
-GPU, 0.42 s on two; threads scheduler 0.53 s on one. Graphs that do not split
+limits it. When this is the only GPU worker the graph runs in-process on the
+threads scheduler. Otherwise, a graph that splits into independent pieces (maps, tree
+reductions: each task's inputs come from one group of roots) runs as one
+threads-scheduler call per GPU worker (this worker's share, if it is one, in the
+calling thread), and only the few tasks that join the pieces run here. Measured on
+2xH200 (speed-cube): distributed 0.76 s on one GPU, 0.42 s on two; threads scheduler
+0.53 s on one. Graphs that do not split
 (shuffles, inputs already held by the cluster) go to the distributed scheduler
 unchanged. Pieces run on the threads scheduler, so Dask annotations on the collection
 (resources, retries) apply only on that last path.
@@ -46,7 +47,7 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         return dask.compute(*collections, **compute_kwargs)
     with distributed.worker_client() as client:
         workers = _gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
-        if len(workers) == 1:
+        if workers == [distributed.get_worker().address]:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(
                     *collections, scheduler="threads", num_workers=_threads(), **compute_kwargs

@@ -94,3 +94,14 @@ def test_a_graph_that_does_not_split_still_spreads_over_both_workers(two_workers
     x = da.random.RandomState(5).random((400, 400), chunks=(400, 10))
     assert np.isclose(total, x.sum().compute(scheduler="sync"))
     assert len({t["worker"] for t in stream.data}) == 2
+
+
+def test_a_caller_without_a_gpu_sends_the_graph_to_the_only_gpu_worker(remote_cluster):
+    with Client(remote_cluster.address) as client:
+        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        with get_task_stream(client) as stream:
+            future = client.submit(spread_cube, 11, workers=[by_name["cpu-worker"]], pure=False)
+            (mean,) = future.result(timeout=60)
+    assert mean == dask.compute(speed_cube(11), scheduler="sync")[0]
+    pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
+    assert pieces == {by_name["gpu-worker"]}, pieces
