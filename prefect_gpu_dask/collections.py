@@ -14,10 +14,10 @@ reductions: each task's inputs come from one group of roots) runs as one
 threads-scheduler call per GPU worker (this worker's share, if it is one, in the
 calling thread), and only the few tasks that join the pieces run here. Measured on
 2xH200 (speed-cube): distributed 0.76 s on one GPU, 0.42 s on two; threads scheduler
-0.53 s on one. Graphs that do not split
-(shuffles, inputs already held by the cluster) go to the distributed scheduler
-unchanged. Pieces run on the threads scheduler, so Dask annotations on the collection
-(resources, retries) apply only on that last path.
+0.53 s on one. Graphs that do not split (shuffles, inputs already held by the
+cluster) go to the distributed scheduler unchanged. Pieces run on the threads
+scheduler, so Dask annotations on the collection (resources, retries) apply only on
+that last path.
 """
 
 from __future__ import annotations
