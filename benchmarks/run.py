@@ -396,6 +396,8 @@ def write(result: dict[str, Any], out: Path) -> None:
         "speed_cube": {
             k: cube.get(k) for k in ("runner_s", "raw_threads_s", "cpu_threads_s", "raw_local_cuda_cluster_s")
         },
+        # On a host with several GPUs runner_s uses them all; this one is comparable with raw_threads_s.
+        "speed_cube_runner_1gpu_s": result.get("scaling", {}).get("runner_1gpu_s"),
         "per_task": {
             k: first.get(k)
             for k in (
