@@ -386,6 +386,10 @@ def test_tls_cluster_end_to_end(tls_cluster):
 
 
 def _refused(make_client, timeout: float = 20) -> BaseException:
+    """The error a client construction fails with. Such clients pass
+    ``set_as_default=False``: distributed registers a client as the global default
+    before it connects, and a refused one would stay there until garbage-collected,
+    where a later default runner (``distributed.get_client()``) would find it."""
     start = time.monotonic()
     with pytest.raises(Exception) as info:  # noqa: B017 - the type differs by failure mode
         client = make_client()
@@ -398,13 +402,14 @@ def test_tls_scheduler_refuses_plaintext_and_uncertified_clients(tls_cluster):
     address, certs = tls_cluster
     port = address.rsplit(":", 1)[1]
     plaintext = f"tcp://127.0.0.1:{port}"
-    _refused(lambda: Client(plaintext, timeout="3s"))
+    _refused(lambda: Client(plaintext, timeout="3s", set_as_default=False))
     # TLS, but without a client certificate: the scheduler demands one (mutual TLS).
     _refused(
         lambda: Client(
             address,
             security=Security(tls_ca_file=str(certs.ca), require_encryption=True),
             timeout="3s",
+            set_as_default=False,
         )
     )
     # TLS with a certificate from a CA the scheduler does not trust.
@@ -418,6 +423,7 @@ def test_tls_scheduler_refuses_plaintext_and_uncertified_clients(tls_cluster):
                 require_encryption=True,
             ),
             timeout="3s",
+            set_as_default=False,
         )
     )
     # The runner, pointed at that scheduler in plaintext (loopback, so allowed to try):
@@ -440,6 +446,9 @@ def test_tls_scheduler_refuses_plaintext_and_uncertified_clients(tls_cluster):
     # ...and the real client still gets in afterwards.
     with Client(address, security=client_security(certs), timeout="10s") as client:
         assert len(client.scheduler_info()["workers"]) == 1
+    # No refused client is left behind as the default for the next runner to join.
+    with pytest.raises(ValueError):
+        distributed.get_client()
 
 
 # -- 2. access: local clusters listen on loopback only ------------------------------
