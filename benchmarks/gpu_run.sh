@@ -6,8 +6,12 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 PHASES=${PHASES:-tests,flows,bench}
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d /tmp/site/prefect ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .whl ]; then  # once per machine, again when the wheels change
+  wheels=$(ls -l .whl | md5sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+      echo "$wheels" > /tmp/site/.wheels
+  fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
 export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false

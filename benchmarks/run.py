@@ -152,7 +152,7 @@ def bench_per_task(n: int, gpu: bool) -> dict[str, Any]:
             return time.perf_counter() - start, str(FlowRunContext.get().flow_run.id)
 
         elapsed, flow_run_id = many()
-        api_caught_up(flow_run_id, n + 1)
+        api_caught_up(flow_run_id, n + WARM_TASKS)
         return elapsed
 
     # The runner's own defaults on a GPU host (one worker per GPU, GPU_WORKER_THREADS each);
@@ -397,7 +397,11 @@ def write(result: dict[str, Any], out: Path) -> None:
             k: cube.get(k) for k in ("runner_s", "raw_threads_s", "cpu_threads_s", "raw_local_cuda_cluster_s")
         },
         # On a host with several GPUs runner_s uses them all; this one is comparable with raw_threads_s.
-        "speed_cube_runner_1gpu_s": result.get("scaling", {}).get("runner_1gpu_s"),
+        "speed_cube_runner_1gpu_s": (
+            result["scaling"].get("runner_1gpu_s")
+            if result.get("scaling", {}).get("n") == cube.get("n")
+            else None
+        ),
         "per_task": {
             k: first.get(k)
             for k in (

@@ -29,6 +29,7 @@ from typing import Any
 import cloudpickle
 import dask
 import distributed
+from dask.sizeof import sizeof
 
 from prefect_gpu_dask.routing import GPU_RESOURCE
 
@@ -37,6 +38,7 @@ from prefect_gpu_dask.routing import GPU_RESOURCE
 TASKS_BASED = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
 # Split only when the joining tasks are at most this share of the graph.
 MAX_JOIN_SHARE = 0.25
+PICKLE_RESULTS_UP_TO = 16 * 2**20
 
 
 def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]:
@@ -57,15 +59,22 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
                 split = _split_compute(client, workers, collections)
             if split is not None:
                 return split
-        futures = client.compute(list(collections), **compute_kwargs)
+        # GPU workers preferred, not required: one restarting must not strand the graph.
+        placement = {"workers": workers, "allow_other_workers": True}
+        futures = client.compute(list(collections), **{**placement, **compute_kwargs})
         return tuple(client.gather(futures))
 
 
 def _gpu_workers(workers: Mapping[str, Any]) -> list[str]:
-    """Workers taking tasks (not draining for a restart), GPU ones if there are any."""
-    running = {a: w for a, w in workers.items() if w.get("status", "running") == "running"} or workers
-    gpu = [a for a, w in running.items() if (w.get("resources") or {}).get(GPU_RESOURCE, 0) > 0]
-    return sorted(gpu or running)
+    """GPU workers (all workers on a cluster without any), those taking tasks first.
+
+    A worker draining for a restart is left out while another can take its share; a
+    graph of GPU chunks never moves to CPU workers because the GPU ones are draining.
+    """
+    gpu = {a: w for a, w in workers.items() if (w.get("resources") or {}).get(GPU_RESOURCE, 0) > 0}
+    candidates = gpu or workers
+    running = [a for a, w in candidates.items() if w.get("status", "running") == "running"]
+    return sorted(running or candidates)
 
 
 def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -99,11 +108,16 @@ def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]
         if worker != me
     ]
     held: dict[Hashable, Any] = {}
-    for worker, (part, outputs) in zip(workers, parts, strict=True):
-        if worker == me:  # this thread has seceded: its GPU's share runs here, no round trip
-            held.update(zip(outputs, _compute_part(part, outputs), strict=True))
-    for produced in client.gather(remote):
-        held.update(cloudpickle.loads(produced))
+    try:
+        for worker, (part, outputs) in zip(workers, parts, strict=True):
+            if worker == me:  # this thread has seceded: its GPU's share runs here, no round trip
+                held.update(zip(outputs, _compute_part(part, outputs), strict=True))
+        for produced in client.gather(remote):
+            held.update(cloudpickle.loads(produced) if isinstance(produced, bytes) else produced)
+    except BaseException:
+        client.cancel(remote)  # no GPU time for shares nobody will read
+        raise
+    del remote  # the remote copies go now, not when this function returns
     if join:
         final = {**{k: DataNode(k, v) for k, v in held.items()}, **join}
         values = dask.get(final, keys) if keys else []
@@ -122,11 +136,12 @@ def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tupl
     return dask.threaded.get(part, outputs, num_workers=_threads())
 
 
-def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes:
-    """One remote share, returned as one pickle: a few small partial results travel
-    faster as one blob than one by one through Dask's device-aware serialisation."""
-    values = _compute_part(cloudpickle.loads(pickled_part), outputs)
-    return cloudpickle.dumps(dict(zip(outputs, values, strict=True)))
+def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hashable, Any]:
+    """One remote share. Small results (partial reductions) travel faster as one pickle
+    than one by one through Dask's device-aware serialisation; large ones (whole chunks)
+    go that way, without the extra host copies a pickle makes."""
+    values = dict(zip(outputs, _compute_part(cloudpickle.loads(pickled_part), outputs), strict=True))
+    return cloudpickle.dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
 
 
 def _chunk_order(key: Hashable) -> tuple[str, tuple[int, ...], str]:
@@ -149,6 +164,8 @@ def split_graph(
     dependencies = {key: set(node.dependencies) for key, node in graph.items()}
     if any(dep not in graph for deps in dependencies.values() for dep in deps):
         return None  # reads data the cluster already holds: leave placement to Dask
+    if n == 1:
+        return [(dict(graph), list(keys))], {}
     roots = sorted((key for key, deps in dependencies.items() if not deps), key=_chunk_order)
     if len(roots) < 2 * n:
         return None

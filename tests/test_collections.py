@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import dask
 import dask.array as da
+import distributed
 import numpy as np
 import pytest
 from dask._expr import FinalizeCompute
 from dask.base import collections_to_expr
 from dask.core import flatten
-from distributed import Client, LocalCluster, get_task_stream
+from distributed import Client, Event, LocalCluster, get_task_stream
 
 from prefect_gpu_dask import compute_on_gpus
 from prefect_gpu_dask.collections import split_graph
+from prefect_gpu_dask.guard import drain, resume
 
 
 def speed_cube(seed: int, n: int = 2000, chunk: int = 250):
@@ -105,3 +108,44 @@ def test_a_caller_without_a_gpu_sends_the_graph_to_the_only_gpu_worker(remote_cl
     assert mean == dask.compute(speed_cube(11), scheduler="sync")[0]
     pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
     assert pieces == {by_name["gpu-worker"]}, pieces
+
+
+def one_chunk_sum() -> float:
+    return float(compute_on_gpus(da.ones((100, 100), chunks=100).sum())[0])
+
+
+def test_a_one_chunk_graph_goes_to_the_gpu_worker_too(remote_cluster):
+    with Client(remote_cluster.address) as client:
+        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        with get_task_stream(client) as stream:
+            future = client.submit(one_chunk_sum, workers=[by_name["cpu-worker"]], pure=False)
+            total = future.result(timeout=60)
+    assert total == 100 * 100
+    pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
+    assert pieces == {by_name["gpu-worker"]}, pieces
+
+
+def cube_after(event_name: str, seed: int) -> tuple[float, str]:
+    Event(event_name).wait(timeout=30)  # the test drains this worker meanwhile
+    return compute_on_gpus(speed_cube(seed))[0], distributed.get_worker().address
+
+
+def test_a_draining_sole_gpu_worker_keeps_its_graph_off_the_cpu_workers(remote_cluster):
+    with Client(remote_cluster.address) as client:
+        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        gpu = by_name["gpu-worker"]
+        go = Event("drained", client=client)
+        with get_task_stream(client) as stream:
+            future = client.submit(cube_after, "drained", 13, workers=[gpu], pure=False)
+            while not client.processing(workers=[gpu])[gpu]:
+                time.sleep(0.05)
+            client.run(drain, workers=[gpu])  # as the guard does for a leaking worker
+            try:
+                go.set()
+                mean, ran_on = future.result(timeout=60)
+            finally:
+                client.run(resume, workers=[gpu])
+    assert ran_on == gpu
+    assert mean == dask.compute(speed_cube(13), scheduler="sync")[0]
+    moved = {t["worker"] for t in stream.data if t["worker"] != gpu}
+    assert not moved, f"chunks ran on {moved} while the GPU worker drained"
