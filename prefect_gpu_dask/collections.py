@@ -44,19 +44,19 @@ PICKLE_RESULTS_UP_TO = 16 * 2**20
 def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]:
     """``dask.compute`` for use inside a Prefect task running on a Dask worker."""
     try:
-        distributed.get_worker()
+        me = distributed.get_worker().address
     except ValueError:
         return dask.compute(*collections, **compute_kwargs)
     with distributed.worker_client() as client:
         workers = _gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
-        if workers == [distributed.get_worker().address]:
+        if workers == [me]:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(
                     *collections, scheduler="threads", num_workers=_threads(), **compute_kwargs
                 )
         if not compute_kwargs:
             with dask.config.set(TASKS_BASED):
-                split = _split_compute(client, workers, collections)
+                split = _split_compute(client, me, workers, collections)
             if split is not None:
                 return split
         # GPU workers preferred, not required: one restarting must not strand the graph.
@@ -77,7 +77,9 @@ def _gpu_workers(workers: Mapping[str, Any]) -> list[str]:
     return sorted(running or candidates)
 
 
-def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _split_compute(
+    client: Any, me: str, workers: list[str], collections: tuple[Any, ...]
+) -> tuple[Any, ...] | None:
     from dask._expr import FinalizeCompute
     from dask._task_spec import DataNode
     from dask.base import collections_to_expr, unpack_collections
@@ -93,7 +95,8 @@ def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]
     if plan is None:
         return None
     parts, join = plan
-    me = distributed.get_worker().address
+    shares = dict(zip(workers, parts, strict=True))
+    own = shares.pop(me, None)
     remote = [
         # Pickled here: Dask would read the task objects inside as dependencies of this one.
         client.submit(
@@ -104,14 +107,13 @@ def _split_compute(client: Any, workers: list[str], collections: tuple[Any, ...]
             allow_other_workers=True,  # a preference: a worker restarting meanwhile must not strand it
             pure=False,
         )
-        for worker, (part, outputs) in zip(workers, parts, strict=True)
-        if worker != me
+        for worker, (part, outputs) in shares.items()
     ]
     held: dict[Hashable, Any] = {}
     try:
-        for worker, (part, outputs) in zip(workers, parts, strict=True):
-            if worker == me:  # this thread has seceded: its GPU's share runs here, no round trip
-                held.update(zip(outputs, _compute_part(part, outputs), strict=True))
+        if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
+            part, outputs = own
+            held.update(zip(outputs, _compute_part(part, outputs), strict=True))
         for produced in client.gather(remote):
             held.update(cloudpickle.loads(produced) if isinstance(produced, bytes) else produced)
     except BaseException:
