@@ -435,7 +435,9 @@ def write(result: dict[str, Any], out: Path) -> None:
         "scaling_2gpu": result.get("scaling", {}).get("scaling_2gpu"),
         "scaling_2gpu_raw_distributed": result.get("scaling", {}).get("raw_distributed_scaling_2gpu"),
         "scaling": {
-            section: {k: v for k, v in figures.items() if k.startswith(("n", "scaling_", "efficiency_"))}
+            section: {
+                k: v for k, v in figures.items() if k.startswith(("n", "chunk", "scaling_", "efficiency_"))
+            }
             for section, figures in result.items()
             if section.startswith("scaling")
         },
