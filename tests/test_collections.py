@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 
@@ -131,6 +132,27 @@ def test_a_caller_without_a_gpu_sends_the_graph_to_the_only_gpu_worker(remote_cl
             future = client.submit(spread_cube, 11, workers=[by_name["cpu-worker"]], pure=False)
             (mean,) = future.result(timeout=60)
     assert mean == dask.compute(speed_cube(11), scheduler="sync")[0]
+    pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
+    assert pieces == {by_name["gpu-worker"]}, pieces
+
+
+def sum_with_a_script_function() -> float:
+    # As if defined in the flow script: a function of this process's __main__, which a
+    # `dask worker` process does not have. Plain pickle would ship it by name.
+    script = {"__name__": "__main__"}
+    exec("def plus_half_from_script(block):\n    return block + 0.5\n", script)
+    plus_half = script["plus_half_from_script"]
+    sys.modules["__main__"].plus_half_from_script = plus_half  # where pickle would look for it
+    x = da.ones((400, 400), chunks=100)
+    return float(compute_on_gpus(x.map_blocks(plus_half).sum())[0])
+
+
+def test_functions_from_the_flow_script_travel_by_value(remote_cluster):
+    with Client(remote_cluster.address) as client:
+        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        with get_task_stream(client) as stream:
+            future = client.submit(sum_with_a_script_function, workers=[by_name["cpu-worker"]], pure=False)
+            assert future.result(timeout=60) == 400 * 400 * 1.5
     pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
     assert pieces == {by_name["gpu-worker"]}, pieces
 
