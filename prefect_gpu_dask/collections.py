@@ -97,6 +97,7 @@ def _split_compute(
     parts, join = plan
     shares = dict(zip(workers, parts, strict=True))
     own = shares.pop(me, None)
+    sent_before = client.scheduler_comm.byte_count
     remote = [
         # Pickled here: Dask would read the task objects inside as dependencies of this one.
         # distributed's pickle: the C pickler (8 GPUs, 200000² cube: 32 -> 19 ms for the
@@ -114,6 +115,8 @@ def _split_compute(
     held: dict[Hashable, Any] = {}
     try:
         if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
+            if remote and _WAIT_FOR_SEND:
+                client.sync(_sent, client.scheduler_comm, sent_before, SEND_WAIT_S)
             part, outputs = own
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
         for produced in client.gather(remote):
@@ -128,6 +131,20 @@ def _split_compute(
     else:
         values = [held[k] for k in keys]
     return repack(values)
+
+
+_WAIT_FOR_SEND = True  # A/B switch for benchmarks/probes/own_share_wait.py
+SEND_WAIT_S = 0.05
+
+
+async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
+    """Return once the shares have left this process (or after ``timeout``)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (comm.buffer or comm.byte_count == bytes_before) and time.monotonic() < deadline:
+        await asyncio.sleep(0)
 
 
 def _threads() -> int:

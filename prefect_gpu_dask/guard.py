@@ -27,7 +27,7 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 
 from prefect_gpu_dask.policy import LEAK, GuardSettings, Verdict, format_bytes, verdict_for
-from prefect_gpu_dask.probe import MemoryProbe, MemorySample
+from prefect_gpu_dask.probe import MemoryProbe, MemorySample, process_sampler
 
 PLUGIN_NAME = "prefect-gpu-dask-guard"
 RECORD_TOPIC = "prefect-gpu-dask-memory"
@@ -130,7 +130,7 @@ class PeakSampler:
     """One daemon thread per worker that tracks peak memory while guarded tasks run."""
 
     def __init__(self, probe: MemoryProbe, interval_s: float = PEAK_INTERVAL_S):
-        self._probe = probe
+        self._read = process_sampler(probe)
         self._interval = interval_s
         self._peaks: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -162,7 +162,7 @@ class PeakSampler:
                 if not self._peaks:
                     continue
             try:
-                used = self._probe.sample().judged
+                used = self._read().judged
             except Exception:  # a failing read must never break the worker
                 used = 0
             with self._lock:
@@ -239,9 +239,11 @@ class GPUMemoryGuard(WorkerPlugin):
     def begin(self) -> tuple[int, MemorySample, float]:
         self._tickets += 1
         ticket = self._tickets
-        before = self.probe.sample()
+        # Only ``judged`` of this reading counts (the device-wide figures come after).
+        read = process_sampler(self.probe)
+        before = read()
         if before.process == 0 and _create_cuda_context():
-            before = self.probe.sample()  # the context is the process's, not the task's
+            before = read()  # the context is the process's, not the task's
         before = before._replace(cached=cached_allocator_bytes())
         self._sampler.start(ticket, before.judged)
         return ticket, before, time.perf_counter()

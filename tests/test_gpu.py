@@ -183,3 +183,22 @@ def test_gpu_task_computes_a_collection_over_every_gpu():
     assert abs(mean - 11) < 0.01
     if workers > 1:
         assert held == workers
+
+
+def test_process_reading_matches_the_full_reading_without_device_figures():
+    """The guard's cheaper before-task reading (one NVML call) agrees with sample()."""
+    import subprocess
+    import sys
+
+    code = (
+        "import cupy; cupy.zeros(1)\n"
+        "from prefect_gpu_dask.probe import open_probe\n"
+        "p = open_probe(); full, cheap = p.sample(), p.sample_process()\n"
+        "assert full.process > 0 and cheap.process == full.process, (full, cheap)\n"
+        "assert (cheap.device_used, cheap.device_total) == (0, 0) and full.device_total > 0\n"
+        "print('ok', full.process)\n"
+    )
+    # In a child process: a CUDA context here would sit on GPU 0 for the other tests.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr

@@ -155,3 +155,59 @@ def test_leak_served_from_the_pools_free_blocks_is_caught():
     )
     assert (verdict.status, flushes.count) == (LEAK, 1)
     assert verdict.delta == 512 * MiB
+
+
+class TwoReadingsProbe(ScriptedProbe):
+    """A probe with the cheaper per-process reading: device figures left at 0."""
+
+    def __init__(self, *process_bytes: int, device_used: int):
+        super().__init__(*process_bytes, device_used=device_used)
+        self.calls: list[str] = []
+
+    def sample(self) -> MemorySample:
+        self.calls.append("sample")
+        return super().sample()
+
+    def sample_process(self) -> MemorySample:
+        self.calls.append("sample_process")
+        return super().sample()._replace(device_used=0, device_total=0)
+
+
+def started_guard(probe):
+    import asyncio
+
+    from prefect_gpu_dask.guard import GPUMemoryGuard
+
+    class Worker:
+        address = name = "tcp://127.0.0.1:1"
+
+        def log_event(self, topic, msg):
+            pass
+
+    guard = GPUMemoryGuard(probe_factory=lambda: probe)
+    asyncio.run(guard.setup(Worker()))
+    probe.calls.clear()
+    return guard
+
+
+@pytest.mark.parametrize(
+    "after, device_used, status, reason",
+    [
+        (1 * GiB + 10 * MiB, 2 * GiB, CLEAN, None),
+        (1 * GiB + 512 * MiB, 2 * GiB, LEAK, "leak: task left 512.00 MiB"),
+        # The device-wide figures are read after the task, so the memory limit still holds.
+        (1 * GiB, int(0.95 * 16 * GiB), CLEAN, "memory limit: GPU 95% used"),
+    ],
+)
+def test_guard_reads_the_process_only_before_a_task_and_judges_the_same(after, device_used, status, reason):
+    probe = TwoReadingsProbe(1 * GiB, 1 * GiB, after, device_used=device_used)
+    guard = started_guard(probe)
+    ticket, before, started = guard.begin()
+    assert probe.calls == ["sample_process"] and before.judged == 1 * GiB
+    verdict, peak, _ = guard.end(ticket, before, started)
+    assert probe.calls[1] == "sample"  # the first reading after the task is a full one
+    assert verdict.status == status and verdict.after.device_used == device_used
+    assert (verdict.restart_reason or "").startswith(reason or "") and bool(verdict.restart_reason) == bool(
+        reason
+    )
+    assert peak == max(1 * GiB, verdict.after.judged)

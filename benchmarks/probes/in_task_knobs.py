@@ -1,0 +1,74 @@
+"""Why the speed-cube inside a gpu task on one GPU is slower than raw Dask threads in
+the flow process. Alternates, on one GPU worker of a LocalCUDACluster with the memory
+guard registered as the runner does: compute_on_gpus bare; inside guard.begin()/end()
+(peak sampling on); the threads scheduler with the host's core count instead of the
+worker's threads; and, outside the cluster, raw Dask threads in this process."""
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
+N, CHUNK, ROUNDS = 100_000, 10_000, 7
+
+
+def variants_in_worker():
+    import dask
+    from run import check_cube, speed_cube_expr
+
+    from prefect_gpu_dask import compute_on_gpus
+    from prefect_gpu_dask.guard import current_guard
+
+    def bare():
+        check_cube(compute_on_gpus(speed_cube_expr(N, CHUNK, True))[0])
+
+    def guarded():
+        guard = current_guard()
+        ticket, before, started = guard.begin()
+        try:
+            bare()
+        finally:
+            guard.end(ticket, before, started)
+
+    def host_threads():
+        check_cube(dask.compute(speed_cube_expr(N, CHUNK, True), scheduler="threads")[0])
+
+    runs = {"compute_on_gpus": bare, "guarded": guarded, "threads=host cores": host_threads}
+    times = {name: [] for name in runs}
+    for i in range(ROUNDS):
+        for name, fn in runs.items() if i % 2 else reversed(runs.items()):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (min(ts[1:]), statistics.median(ts[1:])) for name, ts in times.items()}
+
+
+def main():
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+    from run import check_cube, speed_cube_expr
+
+    from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
+    from prefect_gpu_dask.guard import GPUMemoryGuard
+    from prefect_gpu_dask.policy import GuardSettings
+
+    with (
+        LocalCUDACluster(threads_per_worker=GPU_WORKER_THREADS, resources={"GPU": 1}) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(GPUMemoryGuard(GuardSettings()), name=GPUMemoryGuard.name)
+        results = client.submit(variants_in_worker, pure=False, resources={"GPU": 1}).result()
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        check_cube(speed_cube_expr(N, CHUNK, True).compute(scheduler="threads"))
+        times.append(time.perf_counter() - start)
+    results["raw threads, flow process"] = (min(times[1:]), statistics.median(times[1:]))
+    for name, (best, median) in results.items():
+        print(f"{name:28s} best {best:.3f} s  median {median:.3f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
