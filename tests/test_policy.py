@@ -211,3 +211,38 @@ def test_guard_reads_the_process_only_before_a_task_and_judges_the_same(after, d
         reason
     )
     assert peak == max(1 * GiB, verdict.after.judged)
+
+
+class ClockProbe:
+    """Process memory as a function of time since ``t0``; counts the reads."""
+
+    gpu = ScriptedProbe.gpu
+
+    def __init__(self, spike_from: float, spike_to: float):
+        import time
+
+        self.t0, self.reads = time.monotonic(), 0
+        self.spike = (spike_from, spike_to)
+
+    def sample(self) -> MemorySample:
+        import time
+
+        self.reads += 1
+        elapsed = time.monotonic() - self.t0
+        used = 3 * GiB if self.spike[0] <= elapsed < self.spike[1] else 1 * GiB
+        return MemorySample(used, used, 16 * GiB)
+
+
+def test_peak_sampler_catches_a_spike_and_backs_off_on_long_tasks():
+    import time
+
+    from prefect_gpu_dask.guard import PeakSampler
+
+    probe = ClockProbe(spike_from=0.02, spike_to=0.12)
+    sampler = PeakSampler(probe, interval_s=0.005, max_interval_s=0.1)
+    sampler.start(1, 1 * GiB)
+    time.sleep(1.0)
+    peak = sampler.stop(1, 1 * GiB)
+    assert peak == 3 * GiB  # read at ~5, 15, 35, 75 ms: the spike is seen
+    # 5 ms throughout would be ~200 reads; doubling to 100 ms leaves about a dozen.
+    assert 5 <= probe.reads <= 20, probe.reads

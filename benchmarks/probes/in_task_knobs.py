@@ -1,8 +1,9 @@
 """Why the speed-cube inside a gpu task on one GPU is slower than raw Dask threads in
 the flow process. Alternates, on one GPU worker of a LocalCUDACluster with the memory
 guard registered as the runner does: compute_on_gpus bare; inside guard.begin()/end()
-(peak sampling on); the threads scheduler with the host's core count instead of the
-worker's threads; and, outside the cluster, raw Dask threads in this process."""
+with peak readings every 5 ms or backing off to 100 ms; the threads scheduler with 16
+threads or the host's core count instead of the worker's; and, outside the cluster,
+raw Dask threads in this process."""
 
 import os
 import statistics
@@ -24,18 +25,30 @@ def variants_in_worker():
     def bare():
         check_cube(compute_on_gpus(speed_cube_expr(N, CHUNK, True))[0])
 
-    def guarded():
-        guard = current_guard()
-        ticket, before, started = guard.begin()
-        try:
-            bare()
-        finally:
-            guard.end(ticket, before, started)
+    def guarded(max_interval):
+        def run():
+            guard = current_guard()
+            guard._sampler._max_interval = max_interval
+            ticket, before, started = guard.begin()
+            try:
+                bare()
+            finally:
+                guard.end(ticket, before, started)
 
-    def host_threads():
-        check_cube(dask.compute(speed_cube_expr(N, CHUNK, True), scheduler="threads")[0])
+        return run
 
-    runs = {"compute_on_gpus": bare, "guarded": guarded, "threads=host cores": host_threads}
+    def threads(n):
+        return lambda: check_cube(
+            dask.compute(speed_cube_expr(N, CHUNK, True), scheduler="threads", num_workers=n)[0]
+        )
+
+    runs = {
+        "compute_on_gpus": bare,
+        "guarded, peaks every 5 ms": guarded(0.005),
+        "guarded, peaks back off": guarded(0.1),
+        "threads=16": threads(16),
+        f"threads={os.cpu_count()} (host cores)": threads(os.cpu_count()),
+    }
     times = {name: [] for name in runs}
     for i in range(ROUNDS):
         for name, fn in runs.items() if i % 2 else reversed(runs.items()):
@@ -67,7 +80,7 @@ def main():
         times.append(time.perf_counter() - start)
     results["raw threads, flow process"] = (min(times[1:]), statistics.median(times[1:]))
     for name, (best, median) in results.items():
-        print(f"{name:28s} best {best:.3f} s  median {median:.3f} s", flush=True)
+        print(f"{name:34s} best {best:.3f} s  median {median:.3f} s", flush=True)
 
 
 if __name__ == "__main__":
