@@ -159,6 +159,40 @@ def test_default_runner_error_mode_fails_within_bound():
     assert time.monotonic() - start < 60
 
 
+def test_gpu_submit_uses_the_last_resource_answer_and_refreshes_it_in_the_background(remote_cluster):
+    from prefect.context import get_run_context
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def stale_answer():
+        runner = get_run_context().task_runner
+        client = runner.client
+        asked = []
+        real = client.scheduler_info
+        client.scheduler_info = lambda *a, **k: (asked.append(a or k), real(*a, **k))[1]
+        try:
+            runner._offered_at -= 60  # last answer a minute old: due for a refresh
+            stale_at = runner._offered_at
+            where = gpu_where.submit(0)
+            asked_on_submit = list(asked)
+            deadline = time.monotonic() + 10
+            while runner._offered_at == stale_at and time.monotonic() < deadline:
+                time.sleep(0.01)
+            refreshed = runner._offered_at > stale_at
+            # A task the last answer cannot run still asks the scheduler first.
+            runner._offered_at -= 60
+            with tags("gpu:2"):
+                anywhere.submit(0).result()  # no worker has two GPU slots: falls back to CPU
+            return where.result(), asked_on_submit, refreshed, len(asked)
+        finally:
+            client.scheduler_info = real
+
+    where, asked_on_submit, refreshed, asked = stale_answer()
+    assert where == "gpu-worker"
+    assert asked_on_submit == []  # the submit did not wait for the scheduler
+    assert refreshed  # ... which answered in the background
+    assert asked >= 1  # the unsatisfiable request asked before giving up
+
+
 def test_malformed_tag_raises_before_the_task_runs(remote_cluster):
     ran = []
 
