@@ -23,6 +23,7 @@ that last path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import graphlib
 import time
 from collections.abc import Hashable, Mapping
@@ -118,7 +119,8 @@ def _split_compute(
     try:
         if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
             if remote and _WAIT_FOR_SEND and sent_before is not None:
-                client.sync(_sent, client.scheduler_comm, sent_before, SEND_WAIT_S)
+                with contextlib.suppress(Exception):  # only a head start for the others
+                    client.sync(_sent, client.scheduler_comm, sent_before, SEND_WAIT_S)
             part, outputs = own
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
         for produced in client.gather(remote):
@@ -137,6 +139,7 @@ def _split_compute(
 
 _WAIT_FOR_SEND = True  # A/B switch for benchmarks/probes/own_share_wait.py
 SEND_WAIT_S = 0.05
+SEND_POLL_S = 0.0005
 
 
 async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
@@ -149,7 +152,7 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
     """
     deadline = time.monotonic() + timeout
     while (comm.buffer or comm.byte_count == bytes_before) and time.monotonic() < deadline:
-        await asyncio.sleep(0)
+        await asyncio.sleep(SEND_POLL_S)
 
 
 def _threads() -> int:

@@ -145,6 +145,7 @@ class PeakSampler:
         self._peaks: dict[int, int] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._restart = threading.Event()  # a task started: cut a long wait short
         self._thread: threading.Thread | None = None
 
     def start(self, ticket: int, first: int) -> None:
@@ -154,6 +155,7 @@ class PeakSampler:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpu-peak", daemon=True)
             self._thread.start()
+        self._restart.set()
         self._wake.set()
 
     def stop(self, ticket: int, last: int) -> int:
@@ -168,7 +170,9 @@ class PeakSampler:
             self._wake.wait()
             # A task shorter than one interval is bounded by its before/after samples:
             # sampling it would only compete with it (and with the guard's own reads).
-            time.sleep(self._interval)
+            if self._restart.wait(self._interval):
+                self._restart.clear()  # its first reading comes one short interval from now
+                continue
             with self._lock:
                 if not self._peaks:
                     continue

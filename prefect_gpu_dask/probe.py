@@ -48,8 +48,8 @@ class MemoryProbe(Protocol):
     """What the guard reads memory through.
 
     A probe may also offer ``sample_process() -> MemorySample``: a cheaper reading whose
-    device figures may be 0 when the process figure is known. The guard uses it where
-    only ``judged`` matters (before a task, peaks during one) and ``sample()`` after.
+    device figures may be 0. The guard reads through ``process_sampler`` where only
+    ``judged`` matters (before a task, peaks during one) and ``sample()`` after.
     """
 
     gpu: GPUIdentity
@@ -58,8 +58,18 @@ class MemoryProbe(Protocol):
 
 
 def process_sampler(probe: MemoryProbe) -> Callable[[], MemorySample]:
-    """The probe's cheapest reading that still gives a right ``judged``."""
-    return getattr(probe, "sample_process", probe.sample)
+    """The probe's cheapest reading that still gives a right ``judged``: its
+    ``sample_process()`` where it has one, ``sample()`` when that cannot attribute
+    memory to the process."""
+    cheap = getattr(probe, "sample_process", None)
+    if cheap is None:
+        return probe.sample
+
+    def read() -> MemorySample:
+        sample = cheap()
+        return sample if sample.process >= 0 else probe.sample()
+
+    return read
 
 
 class NvmlProbe:
@@ -75,10 +85,9 @@ class NvmlProbe:
         return MemorySample(nvml.process_memory(self._handle, self._pid), device.used, device.total)
 
     def sample_process(self) -> MemorySample:
-        """One driver call instead of two (the device-wide one is ~a quarter of a
-        reading on an H200), unless the driver cannot attribute memory per process."""
-        process = nvml.process_memory(self._handle, self._pid)
-        return MemorySample(process, 0, 0) if process >= 0 else self.sample()
+        """This process's bytes only: one driver call instead of two (the device-wide
+        one is ~a quarter of a reading on an H200). Device figures are 0."""
+        return MemorySample(nvml.process_memory(self._handle, self._pid), 0, 0)
 
     def process_pids(self) -> list[int]:
         return nvml.process_pids(self._handle)

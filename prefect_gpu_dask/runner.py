@@ -341,9 +341,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     async def _refresh_offered(self) -> None:
         try:
+            asked_at = time.monotonic()  # an answer is as old as its question
             info = await self._client.scheduler.identity(n_workers=-1)
             self._offered = [w.get("resources") or {} for w in info["workers"].values()]
-            self._offered_at = time.monotonic()
+            self._offered_at = asked_at
         except Exception as exc:  # the next submit that needs it asks again
             self.logger.debug("Could not refresh worker resources: %s", exc)
         finally:

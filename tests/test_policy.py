@@ -246,3 +246,30 @@ def test_peak_sampler_catches_a_spike_and_backs_off_on_long_tasks():
     assert peak == 3 * GiB  # read at ~5, 15, 35, 75 ms: the spike is seen
     # 5 ms throughout would be ~200 reads; doubling to 100 ms leaves about a dozen.
     assert 5 <= probe.reads <= 20, probe.reads
+
+
+def test_a_task_starting_after_a_long_one_is_watched_closely_from_its_start():
+    import time
+
+    from prefect_gpu_dask.guard import PeakSampler
+
+    probe = ClockProbe(spike_from=10.0, spike_to=10.0)  # no spike during the long task
+    sampler = PeakSampler(probe, interval_s=0.005, max_interval_s=1.0)
+    sampler.start(1, 1 * GiB)
+    time.sleep(2.5)  # the sampler now waits 1 s between readings
+    sampler.stop(1, 1 * GiB)
+    probe.t0, probe.spike = time.monotonic(), (0.02, 0.08)  # the next task spikes early
+    sampler.start(2, 1 * GiB)
+    time.sleep(0.15)
+    assert sampler.stop(2, 1 * GiB) == 3 * GiB
+
+
+def test_a_process_reading_that_cannot_attribute_memory_falls_back_to_the_full_one():
+    from prefect_gpu_dask.probe import process_sampler
+
+    class Unattributed(ScriptedProbe):
+        def sample_process(self) -> MemorySample:
+            return MemorySample(-1, 0, 0)
+
+    probe = Unattributed(-1, device_used=3 * GiB)
+    assert process_sampler(probe)().judged == 3 * GiB

@@ -178,10 +178,15 @@ def test_gpu_submit_uses_the_last_resource_answer_and_refreshes_it_in_the_backgr
             while runner._offered_at == stale_at and time.monotonic() < deadline:
                 time.sleep(0.01)
             refreshed = runner._offered_at > stale_at
-            # A task the last answer cannot run still asks the scheduler first.
+            # A task the last answer cannot run still asks the scheduler first (no
+            # background refresh may answer it meanwhile).
             runner._offered_at -= 60
-            with tags("gpu:2"):
-                anywhere.submit(0).result()  # no worker has two GPU slots: falls back to CPU
+            runner._refreshing_offered = True
+            try:
+                with tags("gpu:2"):
+                    anywhere.submit(0).result()  # no worker has two GPU slots: runs on CPU
+            finally:
+                runner._refreshing_offered = False
             return where.result(), asked_on_submit, refreshed, len(asked)
         finally:
             client.scheduler_info = real
