@@ -322,8 +322,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         """Resources each worker advertises, at most ``max_age`` seconds old."""
         now = time.monotonic()
         if force or now - self._offered_at > max_age:
-            info = self._client.scheduler_info(n_workers=-1)
-            self._offered = [w.get("resources") or {} for w in info["workers"].values()]
+            self._offered = _resources_of(self._client.scheduler_info(n_workers=-1))
             self._offered_at = now
         return self._offered
 
@@ -342,8 +341,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     async def _refresh_offered(self) -> None:
         try:
             asked_at = time.monotonic()  # an answer is as old as its question
-            info = await self._client.scheduler.identity(n_workers=-1)
-            self._offered = [w.get("resources") or {} for w in info["workers"].values()]
+            self._offered = _resources_of(await self._client.scheduler.identity(n_workers=-1))
             self._offered_at = asked_at
         except Exception as exc:  # the next submit that needs it asks again
             self.logger.debug("Could not refresh worker resources: %s", exc)
@@ -503,3 +501,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self.logger.exception("Could not publish the GPU memory report")
         finally:
             super().__exit__(*exc_info)
+
+
+def _resources_of(scheduler_identity: Mapping[str, Any]) -> list[dict[str, float]]:
+    """What each worker advertises, from the scheduler's ``identity`` answer."""
+    return [w.get("resources") or {} for w in scheduler_identity["workers"].values()]
