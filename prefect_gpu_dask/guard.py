@@ -208,6 +208,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.tasks_run = 0
         self._tickets = 0
         self._sampler: PeakSampler | None = None
+        self._read_process: Callable[[], MemorySample] | None = None
 
     # -- WorkerPlugin -------------------------------------------------------------
     async def setup(self, worker: Any) -> None:
@@ -229,6 +230,8 @@ class GPUMemoryGuard(WorkerPlugin):
         # worker that never runs one pays nothing, and the cluster starts faster.
         await self._wait_for_previous_process_memory()
         self.baseline = self.probe.sample()
+        # Before a task only ``judged`` counts (the device-wide figures come after it).
+        self._read_process = process_sampler(self.probe)
         self._sampler = PeakSampler(self.probe)
 
     async def _wait_for_previous_process_memory(self) -> None:
@@ -255,11 +258,9 @@ class GPUMemoryGuard(WorkerPlugin):
     def begin(self) -> tuple[int, MemorySample, float]:
         self._tickets += 1
         ticket = self._tickets
-        # Only ``judged`` of this reading counts (the device-wide figures come after).
-        read = process_sampler(self.probe)
-        before = read()
+        before = self._read_process()
         if before.process == 0 and _create_cuda_context():
-            before = read()  # the context is the process's, not the task's
+            before = self._read_process()  # the context is the process's, not the task's
         before = before._replace(cached=cached_allocator_bytes())
         self._sampler.start(ticket, before.judged)
         return ticket, before, time.perf_counter()
