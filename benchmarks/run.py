@@ -272,17 +272,17 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         while used(device) > baseline[device] + 64 * 2**20 and time.monotonic() < deadline:
             time.sleep(0.01)
         recovered_s = time.perf_counter() - leaked_at
-        while not runner._restarts.restarts and time.monotonic() < deadline:
+        while not runner.restarts and time.monotonic() < deadline:
             time.sleep(0.05)
-        [restart] = runner._restarts.restarts
-        assert restart["new_pid"] != old
+        [restart] = runner.restarts
+        assert restart.new_pid != old
         return {
             "cluster_start_s": started,  # runner.client: cluster up, plugins registered
             "first_task_s": first_task,  # then the first trivial gpu task, submit to result
             "leaked_bytes": leaked,
             "leak_recovery_s": recovered_s,  # leak verdict -> device memory back at baseline
-            "worker_back_s": restart["recovery_s"],  # -> replacement worker ready
-            "restart": restart,
+            "worker_back_s": restart.serving_s,  # -> replacement worker serving
+            "restart": restart.to_payload(),
         }
 
     return leaky()

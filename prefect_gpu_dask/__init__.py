@@ -1,8 +1,8 @@
 """GPU Dask as a first-class Prefect 3 task runner.
 
 Names are imported on first use: a Dask worker that unpickles the guard plugin
-imports ``prefect_gpu_dask.guard`` alone, not Prefect (2.7 s of cluster start on the
-GPU machine). Prefect's engine loads with a worker's first task run.
+imports ``prefect_gpu_dask.guard`` alone, not Prefect, so the cluster starts sooner.
+Prefect's engine loads with a worker's first task run.
 """
 
 from __future__ import annotations
@@ -12,18 +12,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prefect_gpu_dask.arrays import array_module, gpu_available
-    from prefect_gpu_dask.collections import compute_on_gpus
+    from prefect_gpu_dask.compute import compute_on_gpus
     from prefect_gpu_dask.guard import GPUMemoryGuard
-    from prefect_gpu_dask.policy import GuardSettings
     from prefect_gpu_dask.probe import MemoryProbe, MemorySample, NvmlProbe
-    from prefect_gpu_dask.routing import TagRouter, parse_gpu_tag
+    from prefect_gpu_dask.records import RestartRecord, TaskRecord
+    from prefect_gpu_dask.routing import Route, TagRouter, parse_gpu_tag
     from prefect_gpu_dask.runner import GPUDaskTaskRunner, MissingResourceError
+    from prefect_gpu_dask.settings import RunnerSettings
 
 _HOMES = {
     "GPUDaskTaskRunner": "runner",
     "MissingResourceError": "runner",
     "GPUMemoryGuard": "guard",
-    "GuardSettings": "policy",
+    "RunnerSettings": "settings",
+    "TaskRecord": "records",
+    "RestartRecord": "records",
+    "Route": "routing",
     "MemoryProbe": "probe",
     "MemorySample": "probe",
     "NvmlProbe": "probe",
@@ -31,17 +35,20 @@ _HOMES = {
     "parse_gpu_tag": "routing",
     "array_module": "arrays",
     "gpu_available": "arrays",
-    "compute_on_gpus": "collections",
+    "compute_on_gpus": "compute",
 }
 __all__ = [
     "GPUDaskTaskRunner",
     "GPUMemoryGuard",
-    "GuardSettings",
     "MemoryProbe",
     "MemorySample",
     "MissingResourceError",
     "NvmlProbe",
+    "RestartRecord",
+    "Route",
+    "RunnerSettings",
     "TagRouter",
+    "TaskRecord",
     "array_module",
     "compute_on_gpus",
     "gpu_available",

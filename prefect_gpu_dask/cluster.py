@@ -25,8 +25,8 @@ LOOPBACK = "127.0.0.1"
 KNOWN_SCHEMES = {"tcp", "tls", "ucx", "ucxx", "inproc", "ws", "wss"}
 PLAINTEXT_SCHEMES = {"tcp", "ws", "ucx", "ucxx"}
 # More than one thread per GPU worker overlaps Python overhead with GPU work and lets
-# a gpu task's own Dask graph run beside it (speed-cube on one H200: 1 thread 1.14 s,
-# 4 threads 0.84 s, 8 threads 0.79 s). gpu-tagged tasks still take the GPU one at a time.
+# a gpu task's own Dask graph run beside it (docs/performance.md). gpu-tagged tasks
+# still take the GPU one at a time.
 GPU_WORKER_THREADS = 8
 
 

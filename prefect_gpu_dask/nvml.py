@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 from distributed.diagnostics import nvml as _dask_nvml
 
+from prefect_gpu_dask import _compat
+
 
 class DeviceMemory(NamedTuple):
     used: int
@@ -40,8 +42,7 @@ def worker_device_handle() -> Any:
 
     Entries may be indices or ``GPU-``/``MIG-`` UUIDs; distributed resolves both.
     """
-    # distributed's own resolver (used by its dashboard); one place, MIG-aware.
-    return _dask_nvml._pynvml_handles()
+    return _compat.nvml_worker_handle()
 
 
 def device_uuid(handle: Any) -> str:
@@ -92,16 +93,15 @@ def _compute_processes(handle: Any) -> Sequence[Any]:
     """NVML's compute-process list in one driver call, into a per-thread buffer.
 
     pynvml's ``nvmlDeviceGetComputeRunningProcesses`` asks the driver for the count,
-    then fills a fresh array and turns every entry into a Python object: two thirds of
-    a guard reading (~44 µs on an H200). This is the same driver function, called once.
+    then fills a fresh array and turns every entry into a Python object. This is the
+    same driver function, called once.
     """
     import pynvml
 
-    try:
-        function = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
-        entry = pynvml.c_nvmlProcessInfo_v3_t
-    except (AttributeError, pynvml.NVMLError_FunctionNotFound):  # older driver or pynvml
+    raw = _compat.nvml_compute_processes_raw()
+    if raw is None:  # older driver or pynvml
         return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    function, entry, check = raw
     buffer = getattr(_buffers, "buffer", None)
     while True:
         if buffer is None:
@@ -111,5 +111,5 @@ def _compute_processes(handle: Any) -> Sequence[Any]:
         if status != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
             break
         buffer = _buffers.buffer = (entry * (2 * count.value + 5))()  # room for newcomers
-    pynvml._nvmlCheckReturn(status)
+    check(status)
     return buffer[: count.value]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
-from prefect_gpu_dask.policy import LEAK, format_bytes
+from prefect_gpu_dask.records import LEAK, RestartRecord, TaskRecord, format_bytes
 
 TABLE_KEY = "gpu-memory"
 SUMMARY_KEY = "gpu-memory-summary"
@@ -30,74 +31,75 @@ TABLE_COLUMNS = (
 )
 
 
-def _related(record: dict[str, Any]) -> list[dict[str, str]]:
+def _related(record: TaskRecord | RestartRecord) -> list[dict[str, str]]:
     related = []
-    if record.get("flow_run_id"):
+    if record.flow_run_id:
         related.append(
             {
-                "prefect.resource.id": f"prefect.flow-run.{record['flow_run_id']}",
+                "prefect.resource.id": f"prefect.flow-run.{record.flow_run_id}",
                 "prefect.resource.role": "flow-run",
             }
         )
-    if record.get("task_run_id"):
+    if record.task_run_id:
         related.append(
             {
-                "prefect.resource.id": f"prefect.task-run.{record['task_run_id']}",
+                "prefect.resource.id": f"prefect.task-run.{record.task_run_id}",
                 "prefect.resource.role": "task-run",
             }
         )
     return related
 
 
-def _worker_resource(record: dict[str, Any]) -> dict[str, str]:
+def _gpu_resource(record: TaskRecord | RestartRecord) -> dict[str, str]:
     return {
-        "prefect.resource.id": f"prefect-gpu-dask.gpu.{record.get('gpu_uuid') or 'unknown'}",
-        "prefect.resource.name": f"GPU {record.get('gpu_index')} on {record.get('worker')}",
-        "prefect-gpu-dask.worker": str(record.get("worker")),
+        "prefect.resource.id": f"prefect-gpu-dask.gpu.{record.gpu_uuid or 'unknown'}",
+        "prefect.resource.name": f"GPU {record.gpu_index} on {record.worker}",
+        "prefect-gpu-dask.worker": str(record.worker),
     }
 
 
-def emit_leak_event(record: dict[str, Any]) -> None:
+def emit_leak_event(record: TaskRecord) -> None:
     from prefect.events import emit_event
 
+    payload = asdict(record)
     emit_event(
         event=LEAK_EVENT,
-        resource=_worker_resource(record),
+        resource=_gpu_resource(record),
         related=_related(record),
-        payload={k: record.get(k) for k in TABLE_COLUMNS},
+        payload={k: payload[k] for k in TABLE_COLUMNS} | {"tags": list(record.tags)},
     )
 
 
-def emit_restart_event(restart: dict[str, Any]) -> None:
+def emit_restart_event(restart: RestartRecord) -> None:
     from prefect.events import emit_event
 
     emit_event(
         event=RESTART_EVENT,
-        resource=_worker_resource(restart),
+        resource=_gpu_resource(restart),
         related=_related(restart),
-        payload=restart,
+        payload=restart.to_payload(),
     )
 
 
-def table_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
     rows = []
     for record in records:
-        row = {column: record.get(column) for column in TABLE_COLUMNS}
+        values = asdict(record)
+        row = {column: values[column] for column in TABLE_COLUMNS}
         for column in ("before", "after", "peak", "delta"):
-            row[column] = format_bytes(int(record.get(column) or 0))
-        row["tags"] = ", ".join(record.get("tags") or [])
+            row[column] = format_bytes(values[column])
+        row["tags"] = ", ".join(record.tags)
         rows.append(row)
     return rows
 
 
-def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]]) -> str:
+def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRecord]) -> str:
     per_gpu: dict[str, Counter] = defaultdict(Counter)
     for record in records:
-        per_gpu[f"GPU {record['gpu_index']} ({record['gpu_uuid']})"][record["verdict"]] += 1
-    leaks = [r for r in records if r["verdict"] == LEAK]
+        per_gpu[f"GPU {record.gpu_index} ({record.gpu_uuid})"][record.verdict] += 1
+    leaks = [r for r in records if r.verdict == LEAK]
     # Rank by what each task itself added at its peak, not the process-wide figure.
-    growth = {id(r): max(0, (r.get("peak") or 0) - (r.get("before") or 0)) for r in records}
-    top = sorted(records, key=lambda r: growth[id(r)], reverse=True)[:5]
+    top = sorted(records, key=lambda r: r.growth, reverse=True)[:5]
     lines = [
         "# GPU memory summary",
         "",
@@ -115,13 +117,13 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
         lines.append(f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |")
     lines += ["", "## Leaks", ""]
     lines += [
-        f"- **{r['task_run_name']}** left {format_bytes(r['delta'])} on GPU {r['gpu_index']} ({r['worker']})"
+        f"- **{r.task_run_name}** left {format_bytes(r.delta)} on GPU {r.gpu_index} ({r.worker})"
         for r in leaks
     ] or ["None."]
     lines += ["", "## Worker restarts", ""]
     lines += [
-        f"- {r['worker']} -> {r.get('new_worker')}: {r['reason']} "
-        f"(memory back in {r.get('recovery_s', 0):.2f} s)"
+        f"- {r.worker} -> {r.new_worker}: {r.reason} (restarted in {r.restart_s:.2f} s, "
+        f"serving after {r.serving_s:.2f} s)"
         for r in restarts
     ] or ["None."]
     lines += [
@@ -131,17 +133,15 @@ def summary_markdown(records: Sequence[dict[str, Any]], restarts: Sequence[dict[
         "| task run | peak growth | delta |",
         "|---|---:|---:|",
     ]
-    scale = max((growth[id(r)] for r in top), default=0) or 1
+    scale = max((r.growth for r in top), default=0) or 1
     for r in top:
-        bar = "█" * round(20 * growth[id(r)] / scale)
-        lines.append(
-            f"| {r['task_run_name']} | {format_bytes(growth[id(r)])} {bar} | {format_bytes(r['delta'])} |"
-        )
+        bar = "█" * round(20 * r.growth / scale)
+        lines.append(f"| {r.task_run_name} | {format_bytes(r.growth)} {bar} | {format_bytes(r.delta)} |")
     return "\n".join(lines) + "\n"
 
 
 def publish_artifacts(
-    flow_run_id: str, records: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]]
+    flow_run_id: str, records: Sequence[TaskRecord], restarts: Sequence[RestartRecord]
 ) -> None:
     """Attach the records to the flow run as a table and a markdown summary."""
     from prefect.artifacts import MarkdownArtifact, TableArtifact

@@ -1,16 +1,21 @@
-"""Prefect task tags -> Dask resource annotations.
+"""Where a task runs: Prefect task tags + Dask annotations + what workers offer -> ``Route``.
 
 ``gpu`` asks for one ``GPU`` slot, ``gpu:N`` for N slots (``gpu:0.5`` lets two tasks
 share a GPU), and a user map turns any tag into any resources. Everything is validated
 up front so a typo fails at construction or submission, never as a task that waits
-forever for a resource nobody has.
+forever for a resource nobody has. ``TagRouter.route`` is the one routing decision:
+the runner and ``compute_on_gpus`` act on its answer and decide nothing themselves.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Literal
 
 GPU_RESOURCE = "GPU"
 GPU_TAG = "gpu"
@@ -67,6 +72,24 @@ def parse_gpu_tag(tag: str) -> float | None:
     return amount
 
 
+Fallback = Literal["cpu", "error"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """What to ask Dask for, and what to do because nobody offers it.
+
+    ``fallback`` is None when some worker offers ``resources``; otherwise ``resources``
+    is empty (the task runs unrestricted) and ``message`` says why: the task runs on
+    CPU with that warning (``"cpu"``) or fails with it (``"error"``).
+    """
+
+    resources: Resources
+    gpu: bool  # asks for a GPU: the guard measures it
+    fallback: Fallback | None = None
+    message: str | None = None
+
+
 class TagRouter:
     """Turns a task's tags into the Dask resources it must hold while it runs."""
 
@@ -92,6 +115,35 @@ class TagRouter:
     def resources_for_tags(self, tags: Iterable[str]) -> Resources:
         return self.resources_for(frozenset(tags))
 
+    def route(
+        self,
+        name: str,
+        tags: Iterable[str],
+        annotations: Mapping[str, float] | None,
+        offers: WorkerOffers | None,
+        on_missing: Fallback,
+    ) -> Route:
+        """Decide where task ``name`` runs.
+
+        ``annotations`` (a ``dask.annotate(resources=...)`` around the submit) override
+        what the tags ask for, resource by resource. ``offers``: what the cluster's
+        workers advertise (None: not known, route by the request alone).
+        """
+        resources = self.resources_for_tags(tags)
+        if annotations:
+            resources = {**resources, **annotations}
+        if not resources or offers is None or offers.can_serve(resources):
+            return Route(resources, uses_gpu(resources))
+        message = (
+            f"Task {name!r} asked for resources {resources} but no worker offers them "
+            f"(workers offer {offers.latest() or 'nothing'})"
+        )
+        if on_missing == "cpu":
+            message += ": running on CPU instead (on_missing_gpu='cpu')"
+        else:
+            message += " (on_missing_gpu='error')"
+        return Route({}, False, on_missing, message)
+
 
 def uses_gpu(resources: Mapping[str, float]) -> bool:
     return resources.get(GPU_RESOURCE, 0) > 0
@@ -102,3 +154,92 @@ def satisfiable(resources: Mapping[str, float], workers: Iterable[Mapping[str, f
     return any(
         all(offered.get(name, 0) >= amount for name, amount in resources.items()) for offered in workers
     )
+
+
+def resources_of(scheduler_identity: Mapping[str, Any]) -> list[Resources]:
+    """What each worker advertises, from the scheduler's ``identity`` answer."""
+    return [w.get("resources") or {} for w in scheduler_identity["workers"].values()]
+
+
+def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Addresses of GPU workers (all workers on a cluster without any), those taking
+    tasks first, from the scheduler's ``identity()["workers"]``.
+
+    A worker draining for a restart is left out while another can take its share; GPU
+    work never moves to CPU workers because the GPU ones are draining.
+    """
+    gpu = {a: w for a, w in workers.items() if uses_gpu(w.get("resources") or {})}
+    candidates = gpu or workers
+    running = [a for a, w in candidates.items() if w.get("status", "running") == "running"]
+    return sorted(running or candidates)
+
+
+class WorkerOffers:
+    """What the cluster's workers advertise, as last heard from the scheduler.
+
+    ``can_serve`` answers from the last answer, refreshing a stale one in the
+    background (a blocking round trip on every GPU submit a second after the last one
+    was the cost); a request the last answer cannot serve asks again at once, since a
+    worker may just have joined.
+    """
+
+    def __init__(
+        self,
+        identity: Callable[[], Mapping[str, Any]],
+        identity_async: Callable[[], Any] | None = None,
+        spawn: Callable[[Callable[[], Any]], None] | None = None,
+        max_age_s: float = 1.0,
+        miss_max_age_s: float = 0.1,
+    ):
+        self._identity = identity
+        self._identity_async = identity_async
+        self._spawn = spawn
+        self.max_age_s = max_age_s
+        self.miss_max_age_s = miss_max_age_s
+        self._offered: list[Resources] = []
+        self.asked_at = float("-inf")
+        self.refreshing = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_client(cls, client: Any) -> WorkerOffers:
+        return cls(
+            identity=lambda: client.scheduler_info(n_workers=-1),
+            identity_async=lambda: client.scheduler.identity(n_workers=-1),
+            spawn=client.loop.add_callback,
+        )
+
+    def latest(self, max_age_s: float | None = None) -> list[Resources]:
+        """The offers, at most ``max_age_s`` old (asking the scheduler now if older)."""
+        now = time.monotonic()
+        if max_age_s is not None and now - self.asked_at > max_age_s:
+            self._offered = resources_of(self._identity())
+            self.asked_at = now
+        return self._offered
+
+    def refresh(self) -> list[Resources]:
+        return self.latest(max_age_s=0)
+
+    def can_serve(self, resources: Mapping[str, float]) -> bool:
+        if satisfiable(resources, self._soon()):
+            return True
+        return satisfiable(resources, self.latest(self.miss_max_age_s))
+
+    def _soon(self) -> list[Resources]:
+        stale = time.monotonic() - self.asked_at > self.max_age_s
+        if stale and self._spawn is not None and self._identity_async is not None:
+            with self._lock:
+                start, self.refreshing = not self.refreshing, True
+            if start:
+                self._spawn(self._refresh_async)
+        return self._offered
+
+    async def _refresh_async(self) -> None:
+        try:
+            asked_at = time.monotonic()  # an answer is as old as its question
+            self._offered = resources_of(await self._identity_async())
+            self.asked_at = asked_at
+        except Exception:  # the next submit that needs it asks again
+            pass
+        finally:
+            self.refreshing = False

@@ -1,9 +1,9 @@
 """Sending a Prefect task run to a Dask worker, without paying for settings every time.
 
 prefect-dask serialises the whole Prefect context for every task, and the worker
-rebuilds it. Profiled, almost all of that is the settings context: ~15 ms to dump
-on the flow side and ~20 ms to re-validate (pydantic-settings re-reads the
-environment) on the worker, per task. Settings do not change within a flow run, so
+rebuilds it. Profiled, almost all of that is the settings context: dumping it on the
+flow side and re-validating it (pydantic-settings re-reads the environment) on the
+worker, per task. Settings do not change within a flow run, so
 here they are dumped once per settings object and rebuilt once per worker process,
 keyed by a content hash. Everything else (flow run, tags, assets, task run) is
 serialised per task exactly as prefect-dask does.
@@ -23,7 +23,13 @@ from prefect.context import EngineContext, SettingsContext, SyncClientContext, s
 from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
 
-from prefect_gpu_dask.interrupted import died_on, refusing
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.recycling.worker import died_on, refusal
+from prefect_gpu_dask.taskwrap import with_around
+
+_SETTINGS = _compat.context_var(SettingsContext)
+_ENGINE = _compat.context_var(EngineContext)
+_CLIENTS = _compat.context_var(SyncClientContext)
 
 
 class _Serialized:
@@ -67,8 +73,8 @@ class TaskSubmitter:
     """Flow side: turns a Prefect task + parameters into one ``Client.submit`` call.
 
     What is fixed for a flow run travels as ``Shared`` blobs: the task object, the
-    settings and the flow-run context (whose result-store block alone costs ~7 ms to
-    dump, as it regenerates the block's JSON schema). Only the task run's own
+    settings and the flow-run context (whose result-store block regenerates its JSON
+    schema on every dump). Only the task run's own
     parameters and ids are pickled per task.
     """
 
@@ -94,9 +100,9 @@ class TaskSubmitter:
     def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
         settings = self._stand_in(SettingsContext)
         engine = self._stand_in(EngineContext)
-        resets = [(SettingsContext.__var__, SettingsContext.__var__.set(settings))]
+        resets = [(_SETTINGS, _SETTINGS.set(settings))]
         if engine is not None:
-            resets.append((EngineContext.__var__, EngineContext.__var__.set(engine)))
+            resets.append((_ENGINE, _ENGINE.set(engine)))
         try:
             context = serialize_context(
                 asset_ctx_kwargs={
@@ -170,19 +176,19 @@ def _unshare(shared: Shared | Any) -> Any:
 def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientContext]:
     """Settings and an open API client for this flow run, made once per worker process.
 
-    Re-validating settings costs ~20 ms (pydantic-settings re-reads the environment),
-    and a fresh ``SyncPrefectClient`` ~20 ms (a new SSL context); the engine would
-    build two clients per task unless one is already in context.
+    Re-validating settings re-reads the environment, and a fresh ``SyncPrefectClient``
+    builds a new SSL context; the engine would build two clients per task unless one
+    is already in context.
     """
 
     def build() -> tuple[SettingsContext, SyncClientContext]:
         settings = SettingsContext(**cloudpickle.loads(shared.blob))
-        reset = SettingsContext.__var__.set(settings)
+        reset = _SETTINGS.set(settings)
         try:
             clients = SyncClientContext()
             clients.client.__enter__()  # kept open for the life of the worker
         finally:
-            SettingsContext.__var__.reset(reset)
+            _SETTINGS.reset(reset)
         return settings, clients
 
     return _cached(f"settings-{shared.token}", build)
@@ -192,16 +198,17 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
     if (dead := died_on()) is not None:
-        task = refusing(task, dead)
+        # Fails at once, naming the dead worker; never retried (that would run it again).
+        task = with_around(task, refusal(dead), retries=0)
     settings, clients = _settings_and_client(context.pop("settings_context"))
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.
-    settings_reset = SettingsContext.__var__.set(settings)
-    clients_reset = SyncClientContext.__var__.set(clients)
+    settings_reset = _SETTINGS.set(settings)
+    clients_reset = _CLIENTS.set(clients)
     try:
         if task.isasync:
             return asyncio.run(run_task_async(task=task, context=context, return_type="state", **run_kwargs))
         return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
     finally:
-        SyncClientContext.__var__.reset(clients_reset)
-        SettingsContext.__var__.reset(settings_reset)
+        _CLIENTS.reset(clients_reset)
+        _SETTINGS.reset(settings_reset)

@@ -14,6 +14,8 @@ from prefect_gpu_dask.probe import GPUIdentity, MemorySample
 
 TOTAL = 16 * 2**30
 LEAKED: list[FakeBlock] = []
+# The runner's memory_probe for tests: workers import it by this path.
+FAKE_PROBE = "tests.scripted_probe:fake_probe"
 
 
 class FakeBlock:

@@ -155,7 +155,7 @@ def test_leak_and_restart_events_reach_the_api_and_fire_the_automation(dask_proc
 
     for event in (leak, restart):
         assert event.resource.id == GPU_RESOURCE
-        assert event.resource["prefect-gpu-dask.worker"] == out["restarts"][0]["worker"]
+        assert event.resource["prefect-gpu-dask.worker"] == out["restarts"][0].worker
         assert labels(event)[flow_run] == "flow-run"
         assert labels(event)[task_run] == "task-run"
 
@@ -165,7 +165,7 @@ def test_leak_and_restart_events_reach_the_api_and_fire_the_automation(dask_proc
     assert leak.payload["task_run_name"] == f"leaky-{LEAK_BYTES}"
     assert leak.payload["restart_reason"].startswith("leak: task left 512.00 MiB")
     assert restart.payload["reason"] == leak.payload["restart_reason"]
-    assert restart.payload["new_pid"] != restart.payload["pid"]
+    assert restart.payload["new_pid"] != restart.payload["old_pid"]
     assert restart.payload["memory_after"] == 0
     assert restart.occurred >= leak.occurred
 

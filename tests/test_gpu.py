@@ -121,11 +121,11 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
         old, _ = plant_leak_where.submit(512 * MiB).result()
         runner = FlowRunContext.get().task_runner
         deadline = time.monotonic() + 60
-        while not runner._restarts.restarts and time.monotonic() < deadline:
+        while not runner.restarts and time.monotonic() < deadline:
             pid.submit().result()  # work goes on meanwhile (on another GPU, if there is one)
             time.sleep(0.1)
         worker_pids = set(runner._client.run(os.getpid).values())
-        return churn, old, worker_pids, list(runner._restarts.restarts), runner._records()
+        return churn, old, worker_pids, list(runner.restarts), runner.records
 
     churn, old, worker_pids, restarts, records = leaky_night()
     print("restarts:", restarts)
@@ -133,7 +133,7 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
         print(
             "record:",
             {
-                k: record[k]
+                k: getattr(record, k)
                 for k in (
                     "task_run_name",
                     "verdict",
@@ -147,16 +147,16 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
         )
     assert churn == [float(4 * GiB // 8)] * 2
     assert old not in worker_pids, "the leaking worker was not restarted"
-    verdicts = {r["task_run_name"].rsplit("-", 1)[0]: r["verdict"] for r in records}
+    verdicts = {r.task_run_name.rsplit("-", 1)[0]: r.verdict for r in records}
     assert verdicts["plant_leak_where"] == "leak"
     assert verdicts["churn_pool"] in {"cached", "clean"}
-    churn_records = [r for r in records if r["task_run_name"].startswith("churn_pool")]
-    assert all(r["peak"] - r["before"] >= 4 * GiB * 0.9 for r in churn_records[:1]), churn_records
+    churn_records = [r for r in records if r.task_run_name.startswith("churn_pool")]
+    assert all(r.peak - r.before >= 4 * GiB * 0.9 for r in churn_records[:1]), churn_records
     [restart] = restarts
-    assert restart["pid"] == old and restart["new_pid"] in worker_pids
-    assert restart["reason"].startswith("leak")
-    assert restart["memory_after"] < restart["memory_before"] - 400 * MiB  # the 512 MiB is gone
-    assert restart["recovery_s"] < 10
+    assert restart.old_pid == old and restart.new_pid in worker_pids
+    assert restart.reason.startswith("leak")
+    assert restart.memory_after < restart.memory_before - 400 * MiB  # the 512 MiB is gone
+    assert restart.serving_s < 10
 
 
 def test_out_of_memory_fails_the_task_and_the_gpu_recovers():

@@ -22,21 +22,18 @@ from prefect.client.schemas.filters import (
 )
 from prefect.context import FlowRunContext
 
-from prefect_gpu_dask import GPUDaskTaskRunner, GPUMemoryGuard, GuardSettings
-from prefect_gpu_dask.guard import PLUGIN_NAME, drain
-from tests.scripted_probe import churn, fake_probe, leak
+from prefect_gpu_dask import GPUDaskTaskRunner
+from prefect_gpu_dask.recycling.worker import drain
+from tests.scripted_probe import FAKE_PROBE, churn, leak
 
 MiB = 2**20
 
 
-def start_guarded_cluster(procs, settings: GuardSettings) -> str:
+def start_guarded_cluster(procs) -> str:
     procs.start_scheduler()
     procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1")
     procs.start_worker("cpu-worker", "--nthreads", "4")
     procs.wait_for_workers(2)
-    with Client(procs.address) as client:
-        # Registered first, so the runner's own (identical, idempotent) registration keeps it.
-        client.register_plugin(GPUMemoryGuard(settings, probe_factory=fake_probe), name=PLUGIN_NAME)
     return procs.address
 
 
@@ -103,11 +100,10 @@ def wait_for_new_pid(ledger: str, old_pid: int, timeout: float = 60) -> int:
 
 
 def test_leak_restarts_only_that_worker_and_loses_nothing(dask_processes, tmp_path):
-    settings = GuardSettings(leak_threshold="256MiB")
-    address = start_guarded_cluster(dask_processes, settings)
+    address = start_guarded_cluster(dask_processes)
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address, leak_threshold="256MiB"))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, leak_threshold="256MiB", memory_probe=FAKE_PROBE))
     def nightly():
         old_pid = clean.submit(ledger, -1).result()
         leaked = leaky.submit(ledger, 512 * MiB)
@@ -123,7 +119,7 @@ def test_leak_restarts_only_that_worker_and_loses_nothing(dask_processes, tmp_pa
             "old_pid": old_pid,
             "new_pid": new_pid,
             "flow_run_id": FlowRunContext.get().flow_run.id,
-            "restarts": list(runner._restarts.restarts),
+            "restarts": list(runner.restarts),
         }
 
     out = nightly()
@@ -134,19 +130,18 @@ def test_leak_restarts_only_that_worker_and_loses_nothing(dask_processes, tmp_pa
     assert len(ids) == len(set(ids)), "a task ran twice"
     assert sum("leaky" in line for line in Path(ledger).read_text().splitlines()) == 1
     [restart] = out["restarts"]
-    assert restart["reason"].startswith("leak: task left 512.00 MiB")
-    assert restart["worker_name"] == "gpu-worker" and restart["new_pid"] == out["new_pid"]
-    assert restart["memory_after"] == 0  # the fresh process holds nothing
+    assert restart.reason.startswith("leak: task left 512.00 MiB")
+    assert restart.worker_name == "gpu-worker" and restart.new_pid == out["new_pid"]
+    assert restart.memory_after == 0  # the fresh process holds nothing
     [artifact] = gpu_memory_artifact(out["flow_run_id"])
     assert '"verdict": "leak"' in artifact.data and "leaky" in artifact.data
 
 
 def test_pool_churn_is_clean_and_never_restarts(dask_processes, tmp_path):
-    settings = GuardSettings(leak_threshold="256MiB")
-    address = start_guarded_cluster(dask_processes, settings)
+    address = start_guarded_cluster(dask_processes)
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def churning():
         pids = [churner.submit(ledger, 4096 * MiB).result() for _ in range(3)]
         runner = FlowRunContext.get().task_runner
@@ -161,29 +156,27 @@ def test_pool_churn_is_clean_and_never_restarts(dask_processes, tmp_path):
 
 @pytest.mark.parametrize("policy", ["cluster", "never"])
 def test_restart_policies(dask_processes, tmp_path, policy):
-    # The runner registers the guard with its own settings; here the test does, as the
-    # first registration wins, and the worker must know the policy to drain (or not).
-    address = start_guarded_cluster(dask_processes, GuardSettings(restart=policy))
+    address = start_guarded_cluster(dask_processes)
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address, restart=policy))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, restart=policy, memory_probe=FAKE_PROBE))
     def nightly():
         with Client(address) as probe_client:
             before = {w["name"]: a for a, w in probe_client.scheduler_info(n_workers=-1)["workers"].items()}
         leaky.submit(ledger, 512 * MiB).result()
         deadline = time.monotonic() + (30 if policy == "cluster" else 5)
         runner = FlowRunContext.get().task_runner
-        while time.monotonic() < deadline and not runner._restarts.restarts:
+        while time.monotonic() < deadline and not runner.restarts:
             clean.submit(ledger, 0).result()
             time.sleep(0.2)
-        return before, list(runner._restarts.restarts)
+        return before, list(runner.restarts)
 
     before, restarts = nightly()
     if policy == "never":
         assert restarts == []
     else:
         [restart] = restarts
-        assert restart["policy"] == "cluster"
+        assert restart.policy == "cluster"
         with Client(address) as client:
             after = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         assert set(after) == set(before)
@@ -191,28 +184,28 @@ def test_restart_policies(dask_processes, tmp_path, policy):
 
 
 def test_restart_after_tasks_recycles_on_count(dask_processes, tmp_path):
-    address = start_guarded_cluster(dask_processes, GuardSettings(restart_after_tasks=3))
+    address = start_guarded_cluster(dask_processes)
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address, restart_after_tasks=3))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, restart_after_tasks=3, memory_probe=FAKE_PROBE))
     def recycled():
         pids = [clean.submit(ledger, i).result() for i in range(3)]
         new_pid = wait_for_new_pid(ledger, pids[0])
-        return pids, new_pid, list(FlowRunContext.get().task_runner._restarts.restarts)
+        return pids, new_pid, list(FlowRunContext.get().task_runner.restarts)
 
     pids, new_pid, restarts = recycled()
     assert len(set(pids)) == 1 and new_pid != pids[0]
-    assert restarts[0]["reason"].startswith("recycle: 3 GPU tasks")
+    assert restarts[0].reason.startswith("recycle: 3 GPU tasks")
 
 
 def test_no_task_starts_on_a_leaking_worker_after_its_verdict(dask_processes, tmp_path):
     """The only GPU worker leaks while 12 GPU tasks wait for its slot: none of them
     starts in the leaking process; all run once, in the replacement, which comes at
     once instead of after the queue has drained."""
-    address = start_guarded_cluster(dask_processes, GuardSettings())
+    address = start_guarded_cluster(dask_processes)
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def queued_behind_a_leak():
         old_pid = clean.submit(ledger, -1).result()
         leaked = leaky.submit(ledger, 512 * MiB)
@@ -222,7 +215,7 @@ def test_no_task_starts_on_a_leaking_worker_after_its_verdict(dask_processes, tm
     old_pid, leaked, pids, restarts = queued_behind_a_leak()
     assert leaked == 21
     [restart] = restarts
-    assert set(pids) == {restart["new_pid"]} and old_pid not in pids, (old_pid, pids, restart)
+    assert set(pids) == {restart.new_pid} and old_pid not in pids, (old_pid, pids, restart)
     ids = runs(Path(ledger))
     assert len(ids) == len(set(ids)) == 14, "a task ran twice or went missing"
 
@@ -230,10 +223,10 @@ def test_no_task_starts_on_a_leaking_worker_after_its_verdict(dask_processes, tm
 def test_a_drained_worker_still_runs_what_only_it_can(dask_processes, tmp_path):
     """A GPU task needs the leaking task's result and only the leaking worker has a
     GPU: it runs there (the drain steps aside for it), then the worker restarts."""
-    address = start_guarded_cluster(dask_processes, GuardSettings())
+    address = start_guarded_cluster(dask_processes)
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def dependent_on_the_leak():
         leaked = leaky.submit(ledger, 512 * MiB)
         doubled = gpu_double.submit(ledger, leaked)  # depends on a result only that worker holds
@@ -242,7 +235,7 @@ def test_a_drained_worker_still_runs_what_only_it_can(dask_processes, tmp_path):
     (value, pid), restarts = dependent_on_the_leak()
     assert value == 42
     [restart] = restarts
-    assert pid == restart["pid"] != restart["new_pid"]  # ran in the leaking process, before it went
+    assert pid == restart.old_pid != restart.new_pid  # ran in the leaking process, before it went
     assert Path(ledger).read_text().count("leaky") == 1
 
 
@@ -259,9 +252,9 @@ def test_drain_stops_new_tasks_and_expires():
             assert future.result(timeout=10) == 3  # the drain expired: nobody restarted it
 
 
-def runner_restarts(wait: bool = True, timeout: float = 60) -> list[dict]:
+def runner_restarts(wait: bool = True, timeout: float = 60) -> list:
     runner = FlowRunContext.get().task_runner
     deadline = time.monotonic() + timeout
-    while wait and not runner._restarts.restarts and time.monotonic() < deadline:
+    while wait and not runner.restarts and time.monotonic() < deadline:
         time.sleep(0.05)
-    return list(runner._restarts.restarts)
+    return list(runner.restarts)

@@ -29,10 +29,9 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
-from prefect_gpu_dask import GPUDaskTaskRunner, GPUMemoryGuard, GuardSettings
-from prefect_gpu_dask.guard import PLUGIN_NAME
+from prefect_gpu_dask import GPUDaskTaskRunner
 from tests.conftest import DaskProcesses
-from tests.scripted_probe import fake_probe, leak
+from tests.scripted_probe import FAKE_PROBE, leak
 
 MiB = 2**20
 DIED = re.compile(r"worker.{0,200}\b(died|dead|killed|lost)\b", re.IGNORECASE | re.DOTALL)
@@ -308,14 +307,15 @@ def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProce
     procs.wait_for_workers(2)
     address = procs.address
     with Client(address) as client:
-        client.register_plugin(GPUMemoryGuard(GuardSettings(), probe_factory=fake_probe), name=PLUGIN_NAME)
         names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         pid_before = {names[a]: pid for a, pid in client.run(os.getpid).items()}
     ledger = str(tmp_path / "ledger")
     release = str(tmp_path / "release")
     n = 20
 
-    runner = GPUDaskTaskRunner(address=address, restart="worker", tag_resources={"cpu": {"CPU": 1}})
+    runner = GPUDaskTaskRunner(
+        address=address, restart="worker", tag_resources={"cpu": {"CPU": 1}}, memory_probe=FAKE_PROBE
+    )
 
     @flow(task_runner=runner)
     def busy():
@@ -324,7 +324,7 @@ def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProce
         gpu = [gpu_work.submit(ledger, i, 0.2) for i in range(n)]
         cpu = [cpu_work.submit(ledger, i, release) for i in range(n)]
         deadline = time.monotonic() + 90
-        while not runner._restarts.restarts and time.monotonic() < deadline:
+        while not runner.restarts and time.monotonic() < deadline:
             time.sleep(0.05)
         during = {
             "cpu_started": sum(line.startswith("cpu-") for line in Path(ledger).read_text().splitlines()),
@@ -341,7 +341,7 @@ def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProce
             "cpu": [f.result() for f in cpu],
             "combined": [f.result() for f in combined],
             "fresh": [f.result() for f in fresh],
-            "restarts": list(runner._restarts.restarts),
+            "restarts": list(runner.restarts),
         }
 
     start = time.monotonic()
@@ -361,9 +361,9 @@ def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProce
     assert not twice, f"tasks ran more than once: {twice}"
 
     [restart] = out["restarts"]
-    assert restart["worker_name"] == "gpu-worker", restart
-    assert restart["reason"].startswith("leak:"), restart
-    assert restart["new_pid"] != pid_before["gpu-worker"]
+    assert restart.worker_name == "gpu-worker", restart
+    assert restart.reason.startswith("leak:"), restart
+    assert restart.new_pid != pid_before["gpu-worker"]
     # The CPU worker was busy the whole time the GPU worker was being recycled.
     assert 1 <= out["during"]["cpu_started"] <= 4 and out["during"]["cpu_done"] == 0, out["during"]
 
@@ -375,8 +375,8 @@ def test_restart_while_40_tasks_run_loses_none_and_repeats_none(procs: DaskProce
     # The GPU tasks queued behind the leak never started in the leaking process: they
     # ran in its replacement, like the fresh ones; CPU tasks on the CPU worker, which
     # was never restarted.
-    assert {pid for _, pid in out["gpu"]} == {restart["new_pid"]}
-    assert {pid for _, pid in out["fresh"]} == {restart["new_pid"]}
+    assert {pid for _, pid in out["gpu"]} == {restart.new_pid}
+    assert {pid for _, pid in out["fresh"]} == {restart.new_pid}
     assert {pid for _, pid in out["cpu"]} == {pid_before["cpu-worker"]}
 
     assert elapsed < 120, elapsed
@@ -398,13 +398,12 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
     procs.wait_for_workers(2)
     address = procs.address
     with Client(address) as client:
-        client.register_plugin(GPUMemoryGuard(GuardSettings(), probe_factory=fake_probe), name=PLUGIN_NAME)
         names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         pid_before = {names[a]: pid for a, pid in client.run(os.getpid).items()}
     [gpu_address] = [a for a, name in names.items() if name == "gpu-worker"]
     ledger = str(tmp_path / "ledger")
 
-    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def mid_restart():
         runner = FlowRunContext.get().task_runner
         leaked = slow_leak.submit(512 * MiB, 1.5)
@@ -418,13 +417,13 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
             during = gpu_work.submit(ledger, 0, 0.0)
             removed = gpu_address not in watcher.scheduler_info(n_workers=-1)["workers"]
         deadline = time.monotonic() + 60
-        while not runner._restarts.restarts and time.monotonic() < deadline:
+        while not runner.restarts and time.monotonic() < deadline:
             time.sleep(0.05)
         return {
             "removed": removed,
             "leaked_pid": leaked.result(),
             "during": during.result(),
-            "restarts": list(runner._restarts.restarts),
+            "restarts": list(runner.restarts),
         }
 
     out = mid_restart()
@@ -434,7 +433,7 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
     square, pid = out["during"]
     assert square == 0
     assert pid != pid_before["cpu-worker"], "a GPU task submitted mid-restart ran on the CPU worker"
-    assert pid == restart["new_pid"], (pid, restart)
+    assert pid == restart.new_pid, (pid, restart)
 
 
 # -- 4. load ------------------------------------------------------------------------

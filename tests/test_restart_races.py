@@ -1,53 +1,42 @@
-"""The restart coordinator against the races a real cluster produces.
+"""The recycler against the races a real cluster produces.
 
-Each test drives ``RestartCoordinator`` on a real ``LocalCluster`` (worker processes
-under nannies) the way the runner does after a guard verdict: the worker drains
-(``guard.drain``), the coordinator is asked to recycle it.
+Each test drives ``recycling.flow.Recycler`` on a real ``LocalCluster`` (worker
+processes under nannies) the way the runner does after a guard verdict: the worker
+drains (``recycling.worker.drain``), the recycler is asked to restart it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
+import uuid
 from pathlib import Path
 
 import dask
 import dask.array as da
 import pytest
 from distributed import Client, LocalCluster
+from prefect_dask.task_runners import PrefectDaskFuture
 
-from prefect_gpu_dask.collections import compute_on_gpus
-from prefect_gpu_dask.guard import drain
-from prefect_gpu_dask.restarts import RestartCoordinator
-
-
-def coordinator(client: Client, futures: dict | None = None, kept: dict | None = None) -> RestartCoordinator:
-    """``futures``/``kept``: what the runner's ``_detach`` does with Prefect futures."""
-
-    def detach(keys) -> None:
-        for key in set(keys) & set(futures or {}):
-            kept[key] = futures[key].result()
-            futures[key].release()
-
-    return RestartCoordinator(
-        client,
-        "worker",
-        detach=detach,
-        lock=threading.RLock(),
-        on_restart=lambda info: None,
-        logger=logging.getLogger("test-restarts"),
-    )
+from prefect_gpu_dask import RestartRecord, compute_on_gpus
+from prefect_gpu_dask._compat import future_final_state
+from prefect_gpu_dask.guard import PLUGIN_NAME
+from prefect_gpu_dask.recycling.flow import Recycler
+from prefect_gpu_dask.recycling.worker import drain
 
 
-def recycle(co: RestartCoordinator, worker: str, name: str, timeout: float = 30) -> dict:
-    co.request({"worker": worker, "restart_reason": "leak: test", "worker_name": name})
+def recycler(client: Client) -> Recycler:
+    return Recycler(client, "worker", guard_name=PLUGIN_NAME, logger=logging.getLogger("test-restarts"))
+
+
+def recycle(rc: Recycler, worker: str, timeout: float = 30) -> RestartRecord:
+    rc.request(worker, "leak: test")
     deadline = time.monotonic() + timeout
-    while not co.restarts and time.monotonic() < deadline:
+    while not rc.restarts and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert co.restarts, f"{worker} was not recycled within {timeout} s"
-    return co.restarts[0]
+    assert rc.restarts, f"{worker} was not recycled within {timeout} s"
+    return rc.restarts[0]
 
 
 def cluster(**kwargs) -> LocalCluster:
@@ -73,12 +62,14 @@ def test_a_task_finished_but_not_yet_reported_is_not_run_again(tmp_path):
         future = client.submit(run_once, ledger, workers=[w1], allow_other_workers=True, pure=False)
         time.sleep(0.2)
         client.run(drain, workers=[w1])
-        kept: dict = {}
-        co = coordinator(client, {future.key: future}, kept)
-        restart = recycle(co, w1, "0")
-        co.close(wait=True)
+        rc = recycler(client)
+        prefect_future = PrefectDaskFuture(wrapped_future=future, task_run_id=uuid.uuid4())
+        rc.track(future.key, prefect_future)
+        restart = recycle(rc, w1)
+        rc.close(wait=True)
     assert len(Path(ledger).read_text().splitlines()) == 1, "the task ran twice"
-    assert restart["worker"] == w1 and kept == {future.key: int(Path(ledger).read_text())}
+    assert restart.worker == w1
+    assert future_final_state(prefect_future) == int(Path(ledger).read_text())
 
 
 def slow(seconds: float) -> str:
@@ -106,12 +97,12 @@ def test_a_task_needing_a_queued_task_and_a_held_result_does_not_stall_the_resta
         c = client.submit(add, a, b, key="C")
         time.sleep(0.3)
         client.run(drain, workers=[w])
-        co = coordinator(client)
+        rc = recycler(client)
         started = time.monotonic()
-        recycle(co, w, "0", timeout=20)
+        recycle(rc, w, timeout=20)
         assert time.monotonic() - started < 15
         assert c.result(timeout=30) == 13 and s.result(timeout=30) == "slow"
-        co.close(wait=False)
+        rc.close(wait=False)
 
 
 def gpu_work() -> str:
@@ -128,15 +119,15 @@ def test_a_gpu_task_waits_out_a_long_drain_in_error_mode():
         busy = client.submit(slow, 5.0, pure=False)  # the drain lasts until this ends
         time.sleep(0.5)
         client.run(drain, workers=[w])
-        co = coordinator(client)
-        co.request({"worker": w, "restart_reason": "leak: test", "worker_name": "0"})
+        rc = recycler(client)
+        rc.request(w, "leak: test")
         time.sleep(0.5)
         gpu = client.submit(gpu_work, resources={"GPU": 1}, pure=False)
         assert gpu.result(timeout=60) == "ran"
         assert busy.result(timeout=30) == "slow"
         timeout = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.no_workers_timeout)
         assert timeout == 2, "the no-workers timeout was not restored after the restart"
-        co.close(wait=False)
+        rc.close(wait=False)
 
 
 def sum_of_ones() -> float:
@@ -149,9 +140,9 @@ def test_compute_on_gpus_survives_a_restart_of_another_worker(restart_during):
     with cluster(n_workers=2, threads_per_worker=2) as lc, Client(lc) as client:
         w1, w2 = sorted(client.scheduler_info()["workers"])
         client.run(drain, workers=[w2])
-        co = coordinator(client)
+        rc = recycler(client)
         future = client.submit(sum_of_ones, workers=[w1], pure=False)
         time.sleep(0.5)
-        recycle(co, w2, "1")
+        recycle(rc, w2)
         assert future.result(timeout=30) == 2.0 * 400 * 400
-        co.close(wait=False)
+        rc.close(wait=False)

@@ -170,23 +170,24 @@ def test_gpu_submit_uses_the_last_resource_answer_and_refreshes_it_in_the_backgr
         real = client.scheduler_info
         client.scheduler_info = lambda *a, **k: (asked.append(a or k), real(*a, **k))[1]
         try:
-            runner._offered_at -= 60  # last answer a minute old: due for a refresh
-            stale_at = runner._offered_at
+            offers = runner.worker_offers
+            offers.asked_at -= 60  # last answer a minute old: due for a refresh
+            stale_at = offers.asked_at
             where = gpu_where.submit(0)
             asked_on_submit = list(asked)
             deadline = time.monotonic() + 10
-            while runner._offered_at == stale_at and time.monotonic() < deadline:
+            while offers.asked_at == stale_at and time.monotonic() < deadline:
                 time.sleep(0.01)
-            refreshed = runner._offered_at > stale_at
+            refreshed = offers.asked_at > stale_at
             # A task the last answer cannot run still asks the scheduler first (no
             # background refresh may answer it meanwhile).
-            runner._offered_at -= 60
-            runner._refreshing_offered = True
+            offers.asked_at -= 60
+            offers.refreshing = True
             try:
                 with tags("gpu:2"):
                     anywhere.submit(0).result()  # no worker has two GPU slots: runs on CPU
             finally:
-                runner._refreshing_offered = False
+                offers.refreshing = False
             return where.result(), asked_on_submit, refreshed, len(asked)
         finally:
             client.scheduler_info = real
@@ -230,14 +231,16 @@ ARGUMENTS = dict(
 
 
 def test_duplicate_and_pickle_round_trip_every_argument():
-    runner = GPUDaskTaskRunner(**ARGUMENTS)
+    runner = GPUDaskTaskRunner(**ARGUMENTS, memory_probe="tests.scripted_probe:fake_probe")
+    validated = {**ARGUMENTS, "leak_threshold": 128 * 2**20, "tag_resources": {"nvme": {"NVME": 1.0}}}
     for clone in (runner.duplicate(), pickle.loads(pickle.dumps(runner))):
         assert type(clone) is GPUDaskTaskRunner
         assert clone == runner
-        assert clone._arguments() == runner._arguments()
+        assert clone.settings == runner.settings
         arguments = clone._arguments()
-        for name, value in ARGUMENTS.items():
+        for name, value in validated.items():
             assert arguments[name] == value, name
+        assert arguments["memory_probe"] == "tests.scripted_probe:fake_probe"
         assert clone.client_kwargs["timeout"] == "5s"
         assert clone.router.resources_for_tags({"nvme"}) == {"NVME": 1.0}
 

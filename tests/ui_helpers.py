@@ -6,30 +6,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distributed import Client
 from prefect import flow, task
 from prefect.context import FlowRunContext
 
-from prefect_gpu_dask import GPUDaskTaskRunner, GPUMemoryGuard, GuardSettings
-from prefect_gpu_dask.guard import PLUGIN_NAME
-from tests.scripted_probe import fake_probe, leak
+from prefect_gpu_dask import GPUDaskTaskRunner
+from tests.scripted_probe import FAKE_PROBE, leak
 
 MiB = 2**20
 LEAK_BYTES = 512 * MiB
 
 
-def start_guarded_cluster(procs, settings: GuardSettings | None = None) -> str:
-    """A scheduler, a ``GPU=1`` worker and a CPU worker whose guard reads the fake probe."""
+def start_guarded_cluster(procs) -> str:
+    """A scheduler, a ``GPU=1`` worker and a CPU worker (the runner's guard reads the fake probe)."""
     procs.start_scheduler()
     procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
     procs.start_worker("cpu-worker", "--nthreads", "2")
     procs.wait_for_workers(2)
-    with Client(procs.address) as client:
-        # Registered first, so the runner's own (idempotent) registration keeps this one.
-        client.register_plugin(
-            GPUMemoryGuard(settings or GuardSettings(), probe_factory=fake_probe),
-            name=PLUGIN_NAME,
-        )
     return procs.address
 
 
@@ -48,7 +40,7 @@ def run_leaking_flow(address: str, clean_first: int = 0, timeout: float = 60) ->
     """``clean_first`` clean gpu tasks, one leaking one, then clean ones until the leaking
     worker has been restarted."""
 
-    @flow(name="gpu-leak-demo", task_runner=GPUDaskTaskRunner(address=address))
+    @flow(name="gpu-leak-demo", task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def gpu_leak_demo() -> dict[str, Any]:
         for i in range(clean_first):
             clean.submit(i).result()
@@ -60,13 +52,13 @@ def run_leaking_flow(address: str, clean_first: int = 0, timeout: float = 60) ->
         while True:  # at least one clean task after the leak, then until the restart
             clean.submit(i).result()
             i += 1
-            if runner._restarts.restarts or time.monotonic() > deadline:
+            if runner.restarts or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         return {
             "flow_run_id": str(FlowRunContext.get().flow_run.id),
             "leaky_task_run_id": str(leaked.task_run_id),
-            "restarts": list(runner._restarts.restarts),
+            "restarts": list(runner.restarts),
         }
 
     return gpu_leak_demo()

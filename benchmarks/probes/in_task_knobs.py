@@ -65,13 +65,13 @@ def main():
 
     from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
     from prefect_gpu_dask.guard import GPUMemoryGuard
-    from prefect_gpu_dask.policy import GuardSettings
+    from prefect_gpu_dask.settings import RunnerSettings
 
     with (
         LocalCUDACluster(threads_per_worker=GPU_WORKER_THREADS, resources={"GPU": 1}) as cluster,
         Client(cluster) as client,
     ):
-        client.register_plugin(GPUMemoryGuard(GuardSettings()), name=GPUMemoryGuard.name)
+        client.register_plugin(GPUMemoryGuard(RunnerSettings()), name=GPUMemoryGuard.name)
         results = client.submit(variants_in_worker, pure=False, resources={"GPU": 1}).result()
     times = []
     for _ in range(ROUNDS):

@@ -47,7 +47,8 @@ def timeline(n, chunk, variant):
     from dask.core import flatten
     from run import check_cube, speed_cube_expr
 
-    from prefect_gpu_dask.collections import TASKS_BASED, _gpu_workers, _threads, split_graph
+    from prefect_gpu_dask.compute import TASKS_BASED, _threads, split_graph
+    from prefect_gpu_dask.routing import gpu_workers as _gpu_workers
 
     T0 = time.time()
     tm = {}

@@ -12,9 +12,8 @@ limits it. When this is the only GPU worker the graph runs in-process on the
 threads scheduler. Otherwise, a graph that splits into independent pieces (maps, tree
 reductions: each task's inputs come from one group of roots) runs as one
 threads-scheduler call per GPU worker (this worker's share, if it is one, in the
-calling thread), and only the few tasks that join the pieces run here. Measured on
-2xH200 (speed-cube): distributed 0.76 s on one GPU, 0.42 s on two; threads scheduler
-0.53 s on one. Graphs that do not split (shuffles, inputs already held by the
+calling thread), and only the few tasks that join the pieces run here
+(``docs/performance.md`` has the figures). Graphs that do not split (shuffles, inputs already held by the
 cluster) go to the distributed scheduler unchanged. Pieces run on the threads
 scheduler, so Dask annotations on the collection (resources, retries) apply only on
 that last path.
@@ -34,7 +33,8 @@ import distributed
 from dask.sizeof import sizeof
 from distributed.protocol import pickle
 
-from prefect_gpu_dask.routing import GPU_RESOURCE
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.routing import gpu_workers
 
 # Dask would plan P2P shuffles/rechunks with a distributed client around; the threads
 # scheduler cannot run those.
@@ -51,7 +51,7 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     except ValueError:
         return dask.compute(*collections, **compute_kwargs)
     with distributed.worker_client() as client:
-        workers = _gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
+        workers = gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
         if workers == [me]:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(
@@ -68,43 +68,26 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         return tuple(client.gather(futures))
 
 
-def _gpu_workers(workers: Mapping[str, Any]) -> list[str]:
-    """GPU workers (all workers on a cluster without any), those taking tasks first.
-
-    A worker draining for a restart is left out while another can take its share; a
-    graph of GPU chunks never moves to CPU workers because the GPU ones are draining.
-    """
-    gpu = {a: w for a, w in workers.items() if (w.get("resources") or {}).get(GPU_RESOURCE, 0) > 0}
-    candidates = gpu or workers
-    running = [a for a, w in candidates.items() if w.get("status", "running") == "running"]
-    return sorted(running or candidates)
-
-
 def _split_compute(
     client: Any, me: str, workers: list[str], collections: tuple[Any, ...]
 ) -> tuple[Any, ...] | None:
-    from dask._expr import FinalizeCompute
-    from dask._task_spec import DataNode
-    from dask.base import collections_to_expr, unpack_collections
-    from dask.core import flatten
+    from dask.base import unpack_collections
 
     unpacked, repack = unpack_collections(*collections)
     if not unpacked:
         return collections
-    expr = FinalizeCompute(collections_to_expr(unpacked, True)).optimize()
-    keys = list(flatten(expr.__dask_keys__()))
-    graph = dict(expr.__dask_graph__())
+    graph, keys = _compat.finalized_graph(unpacked)
     plan = split_graph(graph, keys, len(workers))
     if plan is None:
         return None
     parts, join = plan
     shares = dict(zip(workers, parts, strict=True))
     own = shares.pop(me, None)
-    sent_before = getattr(client.scheduler_comm, "byte_count", None)  # distributed's BatchedSend
+    sent_before = _compat.bytes_sent(client.scheduler_comm)
     remote = [
         # Pickled here: Dask would read the task objects inside as dependencies of this one.
-        # distributed's pickle: the C pickler (8 GPUs, 200000² cube: 32 -> 19 ms for the
-        # shares), cloudpickle for lambdas and for functions of the flow script's __main__.
+        # distributed's pickle: the C pickler first, cloudpickle for lambdas and for
+        # functions of the flow script's __main__.
         client.submit(
             _run_part,
             pickle.dumps(part),
@@ -118,7 +101,7 @@ def _split_compute(
     held: dict[Hashable, Any] = {}
     try:
         if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
-            if remote and _WAIT_FOR_SEND and sent_before is not None:
+            if remote and sent_before is not None:
                 with contextlib.suppress(Exception):  # only a head start for the others
                     client.sync(_sent, client.scheduler_comm, sent_before, SEND_WAIT_S)
             part, outputs = own
@@ -130,14 +113,13 @@ def _split_compute(
         raise
     del remote  # the remote copies go now, not when this function returns
     if join:
-        final = {**{k: DataNode(k, v) for k, v in held.items()}, **join}
+        final = {**{k: _compat.data_node(k, v) for k, v in held.items()}, **join}
         values = dask.get(final, keys) if keys else []
     else:
         values = [held[k] for k in keys]
     return repack(values)
 
 
-_WAIT_FOR_SEND = True  # A/B switch for benchmarks/probes/own_share_wait.py
 SEND_WAIT_S = 0.05
 SEND_POLL_S = 0.0005
 
@@ -146,12 +128,12 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
     """Return once the shares have left this process (or after ``timeout``).
 
     The calling thread's share holds the GIL for most of its kernel launches, so the
-    worker's event loop, which writes the remote shares out, would wait for it (8xH200:
-    remote shares started 16-35 ms after submit beside a running own share, 5-12 ms
-    without one).
+    worker's event loop, which writes the remote shares out, would wait for it.
     """
     deadline = time.monotonic() + timeout
-    while (comm.buffer or comm.byte_count == bytes_before) and time.monotonic() < deadline:
+    while (_compat.send_pending(comm) or _compat.bytes_sent(comm) == bytes_before) and (
+        time.monotonic() < deadline
+    ):
         await asyncio.sleep(SEND_POLL_S)
 
 
@@ -186,8 +168,7 @@ def _roots_depth_first(
     """Roots in the order a depth-first walk from the outputs meets them.
 
     Runs of this order are whole subtrees of a tree reduction, so cutting it into
-    contiguous shares leaves few tasks to join: the speed-cube on 8 GPUs at 20x20
-    chunks joins 22 tasks and ships back 56 partials (key order: 78 and 220).
+    contiguous shares leaves few tasks to join and few partials to ship back.
     """
     order: list[Hashable] = []
     seen: set[Hashable] = set()

@@ -1,4 +1,4 @@
-"""Leak verdicts and restart decisions: pure logic over a ``MemoryProbe``.
+"""Leak verdicts and restart reasons: pure logic over a ``MemoryProbe``.
 
 A task's "after" figure is only trusted once allocator caches had their chance to
 give memory back: CuPy's and torch's pools keep freed blocks, so a task that churned
@@ -10,65 +10,13 @@ and confirmed once more after the driver has had a moment to settle.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
-
-from dask.utils import parse_bytes
 
 from prefect_gpu_dask.probe import MemoryProbe, MemorySample
-
-RestartPolicy = Literal["worker", "cluster", "never"]
-GuardScope = Literal["gpu", "all", "off"]
-RESTART_POLICIES = ("worker", "cluster", "never")
-GUARD_SCOPES = ("gpu", "all", "off")
-
-CLEAN, CACHED, LEAK = "clean", "cached", "leak"
-
-
-def parse_threshold(value: int | str) -> int:
-    """``"256MiB"`` or bytes -> bytes; anything else is a ValueError naming it."""
-    if isinstance(value, bool):
-        raise ValueError(f"leak_threshold {value!r} is not a size")
-    try:
-        parsed = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (ValueError, TypeError):
-        raise ValueError(f"leak_threshold {value!r} is not a size (use bytes or e.g. '256MiB')") from None
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"leak_threshold {value!r} is not a whole number of bytes")
-    if parsed <= 0:
-        raise ValueError(f"leak_threshold {value!r} must be positive")
-    return parsed
-
-
-@dataclass(frozen=True)
-class GuardSettings:
-    """What the guard tolerates; validated here so bad values fail at construction."""
-
-    leak_threshold: int = 256 * 2**20
-    memory_limit: float = 0.9
-    restart_after_tasks: int | None = None
-    restart: RestartPolicy = "worker"  # "worker": a worker that must restart drains itself at once
-    settle_s: float = 0.05  # the driver frees memory asynchronously; wait this long to confirm
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "leak_threshold", parse_threshold(self.leak_threshold))
-        limit = self.memory_limit
-        if (
-            isinstance(limit, bool)
-            or not isinstance(limit, (int, float))
-            or not math.isfinite(limit)
-            or not 0 < limit <= 1
-        ):
-            raise ValueError(f"memory_limit {limit!r} must be a fraction in (0, 1]")
-        count = self.restart_after_tasks
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
-        if self.restart not in RESTART_POLICIES:
-            allowed = ", ".join(map(repr, RESTART_POLICIES))
-            raise ValueError(f"restart {self.restart!r} is not one of {allowed}")
+from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, format_bytes
+from prefect_gpu_dask.settings import RunnerSettings
 
 
 @dataclass(frozen=True)
@@ -87,7 +35,7 @@ def _read(probe: MemoryProbe, cached_bytes: Callable[[], int]) -> MemorySample:
 def judge(
     probe: MemoryProbe,
     before: MemorySample,
-    settings: GuardSettings,
+    settings: RunnerSettings,
     release_caches: Callable[[], None],
     sleep: Callable[[float], None] = time.sleep,
     cached_bytes: Callable[[], int] = lambda: 0,
@@ -118,7 +66,7 @@ def restart_reason(
     after: MemorySample,
     delta: int,
     tasks_run: int,
-    settings: GuardSettings,
+    settings: RunnerSettings,
 ) -> str | None:
     """Why this worker should be recycled now, or None."""
     if status == LEAK:
@@ -134,14 +82,14 @@ def restart_reason(
     return None
 
 
-def over_limit(sample: MemorySample, settings: GuardSettings) -> bool:
+def over_limit(sample: MemorySample, settings: RunnerSettings) -> bool:
     return bool(sample.device_total) and sample.device_used / sample.device_total > settings.memory_limit
 
 
 def verdict_for(
     probe: MemoryProbe,
     before: MemorySample,
-    settings: GuardSettings,
+    settings: RunnerSettings,
     tasks_run: int,
     release_caches: Callable[[], None],
     sleep: Callable[[float], None] = time.sleep,
@@ -154,9 +102,3 @@ def verdict_for(
         after = _read(probe, cached_bytes)
     delta = after.live - before.live
     return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
-
-
-def format_bytes(n: int) -> str:
-    from dask.utils import format_bytes as _format
-
-    return ("-" if n < 0 else "") + _format(abs(n))

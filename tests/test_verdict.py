@@ -1,16 +1,19 @@
-"""Verdict and restart logic, driven by a scripted probe (no GPU needed)."""
+"""Verdicts, restart reasons, settings and the guard's readings, driven by a scripted probe
+(no GPU, no cluster, no server)."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefect_gpu_dask.policy import CACHED, CLEAN, LEAK, GuardSettings, restart_reason, verdict_for
 from prefect_gpu_dask.probe import MemorySample
+from prefect_gpu_dask.records import CACHED, CLEAN, LEAK
+from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.verdict import restart_reason, verdict_for
 from tests.scripted_probe import ScriptedProbe
 
 MiB = 2**20
 GiB = 2**30
-SETTINGS = GuardSettings(leak_threshold="256MiB", memory_limit=0.9)
+SETTINGS = RunnerSettings(leak_threshold="256MiB", memory_limit=0.9)
 
 
 class Flushes:
@@ -76,7 +79,7 @@ def test_memory_limit_recycles_without_a_leak():
 
 
 def test_restart_after_tasks():
-    settings = GuardSettings(restart_after_tasks=3)
+    settings = RunnerSettings(restart_after_tasks=3)
     after = MemorySample(0, 0, GiB)
     assert restart_reason(CLEAN, after, 0, 2, settings) is None
     assert restart_reason(CLEAN, after, 0, 3, settings).startswith("recycle: 3 GPU tasks")
@@ -101,14 +104,14 @@ def test_restart_after_tasks():
 )
 def test_bad_settings_name_the_value(kwargs, bad):
     with pytest.raises(ValueError) as err:
-        GuardSettings(**kwargs)
+        RunnerSettings(**kwargs)
     assert bad in str(err.value)
 
 
 def test_size_strings():
-    assert GuardSettings(leak_threshold="1GiB").leak_threshold == GiB
-    assert GuardSettings(leak_threshold="512 MB").leak_threshold == 512 * 10**6
-    assert GuardSettings(leak_threshold=4096).leak_threshold == 4096
+    assert RunnerSettings(leak_threshold="1GiB").leak_threshold == GiB
+    assert RunnerSettings(leak_threshold="512 MB").leak_threshold == 512 * 10**6
+    assert RunnerSettings(leak_threshold=4096).leak_threshold == 4096
 
 
 def test_growth_explained_by_pool_free_blocks_is_judged_without_a_flush():
@@ -184,7 +187,7 @@ def started_guard(probe):
         def log_event(self, topic, msg):
             pass
 
-    guard = GPUMemoryGuard(probe_factory=lambda: probe)
+    guard = GPUMemoryGuard(RunnerSettings(memory_probe=lambda: probe))
     asyncio.run(guard.setup(Worker()))
     probe.calls.clear()
     return guard

@@ -1,0 +1,121 @@
+"""Every private Prefect, Dask and NVML API this package uses, in one place.
+
+Each entry says why it is needed and which public API would replace it. Nothing else
+in the package reaches into another library's private names; when an upstream release
+moves one of these, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+# -- Prefect ---------------------------------------------------------------------
+
+
+def context_var(context_type: Any) -> contextvars.ContextVar:
+    """The ``ContextVar`` behind a Prefect context class.
+
+    Used to set one settings/client context object for every worker thread at once:
+    ``ContextModel.__enter__`` keeps its reset token on the object, so one object cannot
+    be entered by several threads. Public replacement: a thread-safe
+    ``ContextModel.use()`` returning a token (none exists in Prefect 3.8/3.9).
+    """
+    return context_type.__var__
+
+
+def set_future_final_state(future: Any, state: Any) -> None:
+    """Give a ``PrefectDaskFuture`` its final state, so it never asks Dask again.
+
+    Used when a recycled worker's results move into the flow before the restart.
+    Public replacement: a ``PrefectWrappedFuture`` constructor argument for a known
+    final state.
+    """
+    future._final_state = state
+
+
+def future_final_state(future: Any) -> Any:
+    """The state set by ``set_future_final_state`` (or Prefect's own), else None."""
+    return getattr(future, "_final_state", None)
+
+
+# -- distributed -----------------------------------------------------------------
+
+
+def reschedule(dask_scheduler: Any, key: str, worker: str, stimulus_id: str) -> None:
+    """Send a task a worker holds but never started back to the scheduler.
+
+    Public replacement: ``Scheduler.reschedule`` as a public method (it is the handler
+    behind the worker's ``reschedule`` message, only reachable from that worker).
+    """
+    dask_scheduler._reschedule(key, worker, stimulus_id=stimulus_id)
+
+
+def bytes_sent(comm: Any) -> int | None:
+    """Bytes a ``BatchedSend`` has written, or None where it keeps no count.
+
+    Public replacement: a send-completion signal on ``Client.submit`` (none exists).
+    """
+    return getattr(comm, "byte_count", None)
+
+
+def send_pending(comm: Any) -> bool:
+    """Whether a ``BatchedSend`` still holds unsent messages."""
+    return bool(getattr(comm, "buffer", None))
+
+
+def nvml_worker_handle() -> Any:
+    """NVML handle of this process's GPU (first ``CUDA_VISIBLE_DEVICES`` entry, an
+    index or a ``GPU-``/``MIG-`` UUID), resolved as distributed's dashboard does.
+
+    Public replacement: ``dask_cuda.utils.get_gpu_handle`` (needs dask-cuda, which is
+    not importable without CUDA bindings) or a public resolver in distributed.
+    """
+    from distributed.diagnostics import nvml
+
+    return nvml._pynvml_handles()
+
+
+# -- dask ------------------------------------------------------------------------
+
+
+def finalized_graph(collections: list[Any]) -> tuple[dict[Any, Any], list[Any]]:
+    """The optimised low-level graph and output keys ``dask.compute`` would run.
+
+    Public replacement: ``dask.base.collections_to_dsk`` returned these before dask's
+    expression rewrite; today the expression classes are private.
+    """
+    from dask._expr import FinalizeCompute
+    from dask.base import collections_to_expr
+    from dask.core import flatten
+
+    expr = FinalizeCompute(collections_to_expr(collections, True)).optimize()
+    return dict(expr.__dask_graph__()), list(flatten(expr.__dask_keys__()))
+
+
+def data_node(key: Any, value: Any) -> Any:
+    """A graph node holding a computed value. Public replacement: none yet
+    (``dask._task_spec`` is the task-spec module of dask's new graph format)."""
+    from dask._task_spec import DataNode
+
+    return DataNode(key, value)
+
+
+# -- nvidia-ml-py ----------------------------------------------------------------
+
+
+def nvml_compute_processes_raw() -> tuple[Any, Any, Any] | None:
+    """The raw ``nvmlDeviceGetComputeRunningProcesses_v3`` function, its entry type and
+    pynvml's status checker, or None where the driver or bindings lack them.
+
+    Used to list processes in one driver call into a reused buffer (pynvml's wrapper
+    makes two calls and builds a Python object per entry). Public replacement: a
+    buffer-reusing variant in nvidia-ml-py.
+    """
+    import pynvml
+
+    try:
+        function = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        return function, pynvml.c_nvmlProcessInfo_v3_t, pynvml._nvmlCheckReturn
+    except (AttributeError, pynvml.NVMLError_FunctionNotFound):
+        return None

@@ -1,0 +1,93 @@
+"""The typed records: what the guard saw around one task, and what one restart did.
+
+A ``TaskRecord`` is built on the worker (``guard.py``), travels to the flow as a Dask
+worker event (a plain dict on the wire: ``to_event``/``from_event``) and is read by
+attribute everywhere after. A ``RestartRecord`` is built on the flow side by the
+recycler. Byte figures are ints; ``dask.utils.format_bytes`` makes them readable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from dask.utils import format_bytes as _format_bytes
+
+CLEAN, CACHED, LEAK = "clean", "cached", "leak"
+# The Dask worker-event topic TaskRecords travel on, worker -> flow.
+RECORD_TOPIC = "prefect-gpu-dask-memory"
+
+
+def format_bytes(n: int) -> str:
+    """``dask.utils.format_bytes`` that keeps a sign."""
+    return ("-" if n < 0 else "") + _format_bytes(abs(n))
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """GPU memory around one guarded task run, measured on the worker that ran it."""
+
+    task_run_id: str | None
+    task_run_name: str | None
+    task_name: str | None
+    flow_run_id: str | None
+    tags: tuple[str, ...]
+    worker: str
+    worker_name: str
+    pid: int
+    gpu_index: int
+    gpu_uuid: str
+    before: int  # bytes this process held on its GPU right before the task
+    after: int  # ... right after it (once caches had their chance, where suspected)
+    peak: int  # the highest reading while it ran
+    delta: int  # memory in use (less pools' free blocks) after minus before
+    device_used: int
+    device_total: int
+    verdict: str  # clean | cached | leak
+    restart_reason: str | None
+    duration_s: float
+    time: float  # wall-clock end, seconds since the epoch
+
+    def to_event(self) -> dict[str, Any]:
+        """Plain data for ``Worker.log_event`` (msgpack-friendly)."""
+        event = asdict(self)
+        event["tags"] = list(self.tags)
+        return event
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> TaskRecord:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in event.items() if k in known}
+        values["tags"] = tuple(values.get("tags") or ())
+        return cls(**values)
+
+    @property
+    def growth(self) -> int:
+        """What the task itself added at its peak."""
+        return max(0, self.peak - self.before)
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """One worker (or cluster) restart the runner carried out, and why."""
+
+    worker: str
+    worker_name: str
+    reason: str
+    policy: str
+    gpu_index: int | None = None
+    gpu_uuid: str | None = None
+    flow_run_id: str | None = None
+    task_run_id: str | None = None  # the task whose record asked for the restart
+    task_run_name: str | None = None
+    old_pid: int | None = None
+    new_worker: str | None = None
+    new_pid: int | None = None
+    memory_before: int | None = None  # the old process's bytes on its GPU at the verdict
+    memory_after: int | None = None  # the replacement's bytes once it serves
+    baseline: int | None = None
+    restart_s: float = 0.0  # request -> the scheduler's restart returned
+    serving_s: float = 0.0  # request -> the replacement was found serving, memory read
+
+    def to_payload(self) -> dict[str, Any]:
+        return asdict(self)

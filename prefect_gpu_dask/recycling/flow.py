@@ -1,0 +1,275 @@
+"""The restart path on the flow side: ``Recycler`` takes "restart this worker, because"
+and carries it out, losing no task and running none twice.
+
+``restart="worker"``: the worker drains at once (its guard does that before the task
+that asked returns; ``worker.drain``): it starts nothing new, and once it runs nothing,
+the tasks queued on it go back to the scheduler and it restarts. Results it holds that
+a pending task still needs are waited for (if only this worker can run that task, it
+briefly takes tasks again). Before the restart, the Prefect states held there move
+into the flow (their futures get their final state), so downstream tasks receive the
+state itself instead of a Dask key that would vanish and be recomputed. The
+replacement's guard holds tasks off until the old process's GPU memory is gone.
+
+``restart="cluster"``: no new task enters the cluster (``submissions()`` is held) until
+every worker is idle; then ``Scheduler.restart``, as ``client.restart()`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.records import RestartRecord, TaskRecord, format_bytes
+from prefect_gpu_dask.recycling import scheduler as on_scheduler
+from prefect_gpu_dask.recycling import worker as on_worker
+
+POLL_S = 0.05
+RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run
+HOLD_S = 30.0  # the longest "cluster" blocks submissions before letting some through
+GIVE_UP_S = 3600.0
+
+
+@dataclass(frozen=True)
+class _Request:
+    worker: str
+    reason: str
+    record: TaskRecord | None
+
+
+class Recycler:
+    """Restart requests in (``request``), ``RestartRecord``s out (``restarts``).
+
+    One background thread carries requests out in order. ``track`` registers the
+    flow's futures so their results can move out of a worker before it restarts.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        policy: str,
+        guard_name: str,
+        logger: logging.Logger,
+        on_restart: Callable[[RestartRecord], None] = lambda record: None,
+        timeout: float = 60.0,
+    ):
+        self.client = client
+        self.policy = policy
+        self.guard_name = guard_name
+        self.logger = logger
+        self.on_restart = on_restart
+        self.timeout = timeout
+        self._restarts: list[RestartRecord] = []
+        self._futures: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self._lock = threading.RLock()
+        self._requests: queue.Queue[_Request | None] = queue.Queue()
+        self._pending: set[str] = set()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- what the runner uses -----------------------------------------------------
+    @property
+    def restarts(self) -> tuple[RestartRecord, ...]:
+        return tuple(self._restarts)
+
+    @contextlib.contextmanager
+    def submissions(self) -> Iterator[None]:
+        """Held around routing and submitting: a worker being recycled is not "missing",
+        and no submission comes to depend on a worker between its checks and restart."""
+        with self._lock:
+            yield
+
+    def track(self, key: str, future: Any) -> None:
+        self._futures[key] = future
+
+    def request(self, worker: str, reason: str, record: TaskRecord | None = None) -> None:
+        """Restart ``worker`` at its next safe point. Never blocks (called from the
+        Dask client's event loop)."""
+        if self.policy == "never" or worker in self._pending or self._closing.is_set():
+            return
+        self._pending.add(worker)
+        if self._thread is None:
+            # Run in the flow's context: events must reach the flow's API.
+            context = contextvars.copy_context()
+            self._thread = threading.Thread(
+                target=context.run, args=(self._run,), name="gpu-recycler", daemon=True
+            )
+            self._thread.start()
+        self._requests.put(_Request(worker, reason, record))
+
+    def close(self, wait: bool) -> None:
+        """Finish pending requests (``wait``), or drop them with one INFO line."""
+        if not wait:
+            self._closing.set()
+            dropped = []
+            while not self._requests.empty():
+                if (request := self._requests.get_nowait()) is not None:
+                    dropped.append(request.worker)
+            if dropped or self._pending:
+                skipped = ", ".join(sorted(self._pending | set(dropped)))
+                self.logger.info("Not recycling %s: the cluster is closing", skipped)
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread.join(timeout=self.timeout if wait else 5)
+        self._closing.set()  # a restart still waiting for its safe point stops here
+
+    # -- the background thread ----------------------------------------------------
+    def _run(self) -> None:
+        while (request := self._requests.get()) is not None:
+            try:
+                self._recycle(request)
+            except Exception as exc:
+                if self._closing.is_set() or self.client.status != "running":
+                    self.logger.info("Stopped recycling %s: the cluster closed (%s)", request.worker, exc)
+                else:
+                    self.logger.exception("Restarting worker %s failed", request.worker)
+            finally:
+                self._pending.discard(request.worker)
+
+    def _workers(self) -> dict[str, Any]:
+        return self.client.scheduler_info(n_workers=-1).get("workers", {})
+
+    def _recycle(self, request: _Request) -> None:
+        requested = time.perf_counter()
+        if request.worker not in self._workers():
+            self.logger.debug("%s is gone already: not restarting it (%s)", request.worker, request.reason)
+            return
+        targets = list(self._workers()) if self.policy == "cluster" else [request.worker]
+        self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), request.reason)
+        attempt = self._try_cluster if self.policy == "cluster" else self._try_workers
+        deadline = time.monotonic() + GIVE_UP_S
+        self.client.run_on_scheduler(on_scheduler.suspend_no_workers_timeout)
+        try:
+            while (status := attempt(targets)["status"]) != "restarted":
+                if status == "gone":
+                    self.logger.warning("%s left the cluster before it could be recycled", targets)
+                    return
+                if self._closing.is_set():
+                    self.logger.info("Not recycling %s: the cluster is closing", ", ".join(targets))
+                    return
+                if time.monotonic() > deadline:
+                    self.logger.error("Gave up recycling %s: no safe point", targets)
+                    return
+                time.sleep(POLL_S)
+        finally:
+            if self.client.status == "running":
+                self.client.run_on_scheduler(on_scheduler.restore_no_workers_timeout)
+        restart_s = time.perf_counter() - requested
+        record = self._record(request, restart_s, requested)
+        self._restarts.append(record)
+        self.logger.warning(
+            "Restarted %s (%s) -> %s: restart %.2f s, serving after %.2f s, GPU memory now %s",
+            record.worker,
+            record.reason,
+            record.new_worker,
+            record.restart_s,
+            record.serving_s,
+            "unknown" if record.memory_after is None else format_bytes(record.memory_after),
+        )
+        self.on_restart(record)
+
+    def _try_workers(self, targets: list[str]) -> dict[str, Any]:
+        if not any(address in self._workers() for address in targets):
+            return {"status": "gone"}  # died or removed meanwhile: nothing left to recycle
+        reports = self.client.run(on_worker.drain, workers=targets, on_error="return")
+        if any(not isinstance(r, dict) or r["running"] for r in reports.values()):
+            return {"status": "busy"}
+        not_started = {address: r["not_started"] for address, r in reports.items()}
+        stimulus = f"prefect-gpu-dask-drain-{time.time()}"
+        with self._lock:  # no submission may come to depend on these workers meanwhile
+            handed = self.client.run_on_scheduler(on_scheduler.hand_back_queued, not_started, stimulus)
+            if handed["status"] != "ok":
+                return {"status": "busy"}
+            found = self.client.run_on_scheduler(on_scheduler.blockers, targets, False)
+            if not found["reasons"]:
+                return self._restart_now(targets, whole_cluster=False)
+        if found["stuck"]:
+            self.client.run(on_worker.resume, workers=targets, on_error="return")
+            time.sleep(RESUMED_S)
+        return {"status": "busy"}
+
+    def _try_cluster(self, targets: list[str]) -> dict[str, Any]:
+        with self._lock:  # nothing new enters the cluster until it is idle and restarted
+            until = time.monotonic() + HOLD_S
+            while time.monotonic() < until and not self._closing.is_set():
+                if not self._unfinished() and not self._blocked(targets):
+                    return self._restart_now(targets, whole_cluster=True)
+                time.sleep(POLL_S)
+        return {"status": "busy"}
+
+    def _blocked(self, targets: list[str]) -> list[str]:
+        return self.client.run_on_scheduler(on_scheduler.blockers, targets, True)["reasons"]
+
+    def _restart_now(self, targets: list[str], whole_cluster: bool) -> dict[str, Any]:
+        self._move_results(self.client.run_on_scheduler(on_scheduler.keys_on, targets))
+        return self.client.run_on_scheduler(
+            on_scheduler.restart_if_safe, targets, self.timeout, whole_cluster
+        )
+
+    # -- results ------------------------------------------------------------------
+    def _unfinished(self) -> int:
+        """The flow's futures whose results the client has not seen yet: the scheduler
+        cannot see submissions still on their way."""
+        return sum(not is_moved(f) and not f.wrapped_future.done() for f in list(self._futures.values()))
+
+    def _move_results(self, keys: Iterable[str]) -> None:
+        """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
+        futures = {key: f for key in keys if (f := self._futures.get(key)) is not None}
+        states = self.client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
+        for key, state in states.items():
+            future = futures[key]
+            _compat.set_future_final_state(future, state)
+            _moved.add(future)
+            future.wrapped_future.release()
+
+    def _record(self, request: _Request, restart_s: float, requested: float) -> RestartRecord:
+        """Find the replacement worker and read its GPU memory (its guard waited for release)."""
+        source = request.record
+        replacement: dict[str, Any] = {}
+        name = source.worker_name if source is not None else None
+        states = self.client.run(on_worker.replacement_state, self.guard_name, on_error="return")
+        for address, state in states.items():
+            if isinstance(state, dict) and name is not None and state["name"] == name:
+                replacement = {
+                    "new_worker": address,
+                    "new_pid": state["pid"],
+                    "memory_after": state["now"],
+                    "baseline": state["baseline"],
+                }
+        return RestartRecord(
+            worker=request.worker,
+            worker_name=name or request.worker,
+            reason=request.reason,
+            policy=self.policy,
+            gpu_index=source.gpu_index if source else None,
+            gpu_uuid=source.gpu_uuid if source else None,
+            flow_run_id=source.flow_run_id if source else None,
+            task_run_id=source.task_run_id if source else None,
+            task_run_name=source.task_run_name if source else None,
+            old_pid=source.pid if source else None,
+            memory_before=source.after if source else None,
+            restart_s=round(restart_s, 3),
+            serving_s=round(time.perf_counter() - requested, 3),
+            **replacement,
+        )
+
+
+_moved: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def is_moved(future: Any) -> bool:
+    """Whether a future's result moved into the flow before its worker restarted."""
+    return future in _moved
+
+
+def resolved(future: Any) -> Any:
+    """What a task that depends on ``future`` is given: the moved state, or the Dask future."""
+    return _compat.future_final_state(future) if future in _moved else future.wrapped_future

@@ -1,0 +1,170 @@
+"""The restart path on the scheduler: is it safe to restart these workers now, hand
+their queued tasks back, restart them; and the lost-worker plugin.
+
+Functions here run on the scheduler through ``client.run_on_scheduler`` (which passes
+``dask_scheduler``); ``InterruptedTasks`` is a ``SchedulerPlugin``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from prefect_gpu_dask import _compat
+
+DONE_STATES = {"memory", "erred", "forgotten", "released"}
+STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
+INTERRUPTED = "prefect-gpu-dask-worker-died"
+
+
+def _moving(ts: Any, drained: set[str], others_running: bool) -> bool:
+    """Whether a worker outside ``drained`` is carrying ``ts`` (or what it waits for) forward."""
+    seen, stack = set(), [ts]
+    while stack:
+        task = stack.pop()
+        if task.key in seen:
+            continue
+        seen.add(task.key)
+        if task.state == "processing" and task.processing_on.address not in drained:
+            return True
+        if task.state == "queued" and others_running:
+            return True
+        if task.state == "waiting":
+            stack.extend(dep for dep in task.dependencies if dep.state not in DONE_STATES)
+    return False
+
+
+def blockers(addresses: list[str], whole_cluster: bool, dask_scheduler: Any = None) -> dict[str, Any]:
+    """Why restarting these workers now could lose or repeat work.
+
+    ``stuck``: a pending task needs a result held by a draining worker and nothing
+    outside the draining workers is moving it forward: only they can run it.
+    """
+    reasons, stuck = [], False
+    drained = set(addresses)
+    if whole_cluster:
+        busy = [ws.address for ws in dask_scheduler.workers.values() if ws.processing]
+        if busy:
+            reasons.append(f"{', '.join(busy)} still running tasks")
+        if dask_scheduler.queued or dask_scheduler.unrunnable:
+            reasons.append("tasks waiting for a free worker")
+    others_running = any(ws.address not in drained for ws in dask_scheduler.running)
+    for address in addresses:
+        ws = dask_scheduler.workers.get(address)
+        if ws is None:
+            continue
+        for ts in ws.has_what:
+            pending = [dep for dep in ts.dependents if dep.state not in DONE_STATES]
+            if pending:
+                reasons.append(f"{ts.key} on {address} is needed by a pending task")
+                stuck = stuck or not all(_moving(dep, drained, others_running) for dep in pending)
+    return {"reasons": reasons, "stuck": stuck}
+
+
+def hand_back_queued(
+    not_started: dict[str, list[Any]], stimulus: str, dask_scheduler: Any = None
+) -> dict[str, Any]:
+    """Send what drained workers hold but never started back to the scheduler.
+
+    ``not_started``: per worker, the tasks it reported waiting (``worker.drain``). A task
+    the scheduler still counts as processing there but that is not on that list has
+    finished (its message is on the way) or is running: then nothing is moved yet.
+    """
+    for address, keys in not_started.items():
+        ws = dask_scheduler.workers.get(address)
+        if ws is None:
+            continue
+        waiting = set(keys)
+        if any(ts.key not in waiting for ts in ws.processing):
+            return {"status": "busy", "blockers": [f"{address} has tasks in flight"]}
+        for ts in list(ws.processing):
+            _compat.reschedule(dask_scheduler, ts.key, address, stimulus)
+    return {"status": "ok"}
+
+
+def suspend_no_workers_timeout(dask_scheduler: Any = None) -> None:
+    """A drain may outlast the no-workers timeout of on_missing_gpu="error" clusters:
+    a gpu task waiting for the replacement is not a task nobody can run."""
+    if dask_scheduler.no_workers_timeout is not None and not hasattr(dask_scheduler, STASHED_TIMEOUT):
+        setattr(dask_scheduler, STASHED_TIMEOUT, dask_scheduler.no_workers_timeout)
+        dask_scheduler.no_workers_timeout = None
+
+
+def restore_no_workers_timeout(dask_scheduler: Any = None) -> None:
+    if hasattr(dask_scheduler, STASHED_TIMEOUT):
+        dask_scheduler.no_workers_timeout = getattr(dask_scheduler, STASHED_TIMEOUT)
+        delattr(dask_scheduler, STASHED_TIMEOUT)
+
+
+def keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
+    return [
+        ts.key for a in addresses if a in dask_scheduler.workers for ts in dask_scheduler.workers[a].has_what
+    ]
+
+
+async def restart_if_safe(
+    addresses: list[str], timeout: float, whole_cluster: bool, dask_scheduler: Any = None
+) -> dict[str, Any]:
+    if (found := blockers(addresses, whole_cluster, dask_scheduler))["reasons"]:
+        return {"status": "busy", "blockers": found["reasons"]}
+    addresses = [a for a in addresses if a in dask_scheduler.workers]
+    if not whole_cluster and any(dask_scheduler.workers[a].processing for a in addresses):
+        return {"status": "busy", "blockers": ["a task was assigned meanwhile"]}
+    stimulus = f"prefect-gpu-dask-restart-{time.time()}"
+    for address in addresses:
+        # Paused workers get no new tasks between this check and the restart.
+        dask_scheduler.handle_worker_status_change("paused", address, stimulus)
+    if whole_cluster:
+        # What client.restart() does: forget every task, restart every worker.
+        await dask_scheduler.restart(timeout=timeout, stimulus_id=stimulus)
+        return {"status": "restarted", "result": {a: "OK" for a in addresses}}
+    result = await dask_scheduler.restart_workers(
+        addresses, timeout=timeout, stimulus_id=stimulus, on_error="return"
+    )
+    return {"status": "restarted", "result": {k: str(v) for k, v in result.items()}}
+
+
+class InterruptedTasks(SchedulerPlugin):
+    """A task whose worker died while running it fails instead of running a second time.
+
+    When a worker dies, Dask quietly reschedules the tasks it was running (up to
+    ``distributed.scheduler.allowed-failures`` times). For a Prefect task run that means
+    the same task run executing twice, its side effects repeated, and the first attempt
+    never reported. This plugin marks such a task in its annotations (which travel to
+    the next worker with the task); there ``worker.died_on`` sees the mark and the task
+    run is refused with a message naming the dead worker.
+    """
+
+    name = "prefect-gpu-dask-interrupted"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.running_on: dict[Any, str] = {}
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def restart(self, scheduler: Any) -> None:
+        self.running_on.clear()  # every task is forgotten
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if self.scheduler is None:
+            return
+        if finish == "processing":
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.processing_on is not None:
+                self.running_on[key] = ts.processing_on.address
+        elif start == "processing":
+            worker = self.running_on.pop(key, None)
+            ts = self.scheduler.tasks.get(key)
+            # remove_worker counts an unexpected death in ts.suspicious before releasing.
+            if (
+                finish == "released"
+                and ts is not None
+                and ts.suspicious
+                and worker not in self.scheduler.workers
+            ):
+                ts.annotations = {**(ts.annotations or {}), INTERRUPTED: worker}

@@ -1,0 +1,127 @@
+"""``RunnerSettings``: every GPU knob of the runner, validated once, frozen.
+
+Built by the runner's constructor (so a bad value fails before anything runs, with a
+``ValueError`` naming it), compared by ``__eq__`` and carried by ``duplicate()`` and
+pickling, and sent as is to every worker inside the guard plugin. Nothing here imports
+Prefect: a worker unpickling the plugin stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from dask.utils import parse_bytes
+
+from prefect_gpu_dask.routing import validate_tag_resources
+
+OnMissingGPU = Literal["cpu", "error"]
+GuardScope = Literal["gpu", "all", "off"]
+RestartPolicy = Literal["worker", "cluster", "never"]
+ON_MISSING_GPU: tuple[OnMissingGPU, ...] = ("cpu", "error")
+GUARD_SCOPES: tuple[GuardScope, ...] = ("gpu", "all", "off")
+RESTART_POLICIES: tuple[RestartPolicy, ...] = ("worker", "cluster", "never")
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def parse_threshold(value: int | str) -> int:
+    """``"256MiB"`` or bytes -> bytes; anything else is a ValueError naming it."""
+    if isinstance(value, bool):
+        raise ValueError(f"leak_threshold {value!r} is not a size")
+    try:
+        parsed = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"leak_threshold {value!r} is not a size (use bytes or e.g. '256MiB')") from None
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"leak_threshold {value!r} is not a whole number of bytes")
+    if parsed <= 0:
+        raise ValueError(f"leak_threshold {value!r} must be positive")
+    return parsed
+
+
+ProbeFactory = Callable[[], Any]
+
+
+def _check_probe(value: str | ProbeFactory | None) -> None:
+    if value is None or callable(value):
+        return
+    module, sep, name = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not (sep and module and name.isidentifier()):
+        raise ValueError(
+            f"memory_probe {value!r} is neither a callable nor an import path like 'package.module:factory'"
+        )
+
+
+def resolve_probe_factory(value: str | ProbeFactory) -> ProbeFactory:
+    """The factory named by ``"package.module:factory"`` (imported where it runs)."""
+    if callable(value):
+        return value
+    module, _, name = value.rpartition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What the runner routes by and what the guard tolerates.
+
+    Args:
+        tag_resources: extra tag -> resources map, e.g. ``{"nvme": {"NVME": 1}}``.
+        on_missing_gpu: ``"cpu"`` (run unrestricted, warn) or ``"error"`` (fail fast).
+        guard: which tasks the GPU memory guard measures: ``"gpu"``, ``"all"``, ``"off"``.
+        leak_threshold: bytes (or a size string) a task may leave on its GPU.
+        memory_limit: fraction of GPU memory above which a worker is recycled.
+        restart: ``"worker"`` (only the offending one), ``"cluster"`` or ``"never"``.
+        restart_after_tasks: recycle a GPU worker after this many guarded tasks.
+        memory_probe: what the guard reads memory through instead of NVML: a callable
+            returning a ``MemoryProbe`` (or None for "no GPU here"), or its import path
+            ``"package.module:factory"``, resolved on each worker.
+        settle_s: how long the guard lets the driver settle before confirming a leak.
+    """
+
+    tag_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    on_missing_gpu: OnMissingGPU = "cpu"
+    guard: GuardScope = "gpu"
+    leak_threshold: int = 256 * 2**20
+    memory_limit: float = 0.9
+    restart: RestartPolicy = "worker"
+    restart_after_tasks: int | None = None
+    memory_probe: str | ProbeFactory | None = None
+    settle_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tag_resources", validate_tag_resources(self.tag_resources))
+        _choice("on_missing_gpu", self.on_missing_gpu, ON_MISSING_GPU)
+        _choice("guard", self.guard, GUARD_SCOPES)
+        _choice("restart", self.restart, RESTART_POLICIES)
+        object.__setattr__(self, "leak_threshold", parse_threshold(self.leak_threshold))
+        limit = self.memory_limit
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, (int, float))
+            or not math.isfinite(limit)
+            or not 0 < limit <= 1
+        ):
+            raise ValueError(f"memory_limit {limit!r} must be a fraction in (0, 1]")
+        count = self.restart_after_tasks
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
+        _check_probe(self.memory_probe)
+        settle = self.settle_s
+        if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
+            raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")
+
+    __hash__ = None  # type: ignore[assignment]  # holds a mapping
+
+    def arguments(self) -> dict[str, Any]:
+        """The runner's constructor arguments these settings came from (validated form)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settle_s"}
+
+    def probe_factory(self) -> ProbeFactory | None:
+        return None if self.memory_probe is None else resolve_probe_factory(self.memory_probe)

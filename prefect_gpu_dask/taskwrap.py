@@ -1,0 +1,52 @@
+"""The one way this package changes what a Prefect task runs: a clone around its function.
+
+Routing fallbacks, the memory guard and the lost-worker refusal each need the task run
+to go through Prefect's engine as usual (states, logs, retries, the UI) while something
+happens around the user's code. ``with_around`` makes a shallow copy of the task whose
+function runs inside a context manager, sync or async alike. ``functools.wraps`` keeps
+the original's signature, source and cache key, so Prefect binds the same parameters
+and the UI shows the user's function.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Around = Callable[[], AbstractContextManager[Any]]
+
+
+def around_fn(fn: Callable[..., Any], around: Around) -> Callable[..., Any]:
+    """``fn`` run inside ``with around():``; an exception raised on entering skips it."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            with around():
+                return await fn(*args, **kwargs)
+
+        return run_async
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with around():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def with_around(task: T, around: Around, **attributes: Any) -> T:
+    """A shallow copy of a Prefect ``task`` whose function runs inside ``around()``.
+
+    ``attributes`` override task attributes on the copy (e.g. ``retries=0``).
+    """
+    clone = copy.copy(task)
+    clone.fn = around_fn(task.fn, around)  # type: ignore[attr-defined]
+    for name, value in attributes.items():
+        setattr(clone, name, value)
+    return clone
