@@ -4,8 +4,9 @@ Routing fallbacks, the memory guard and the lost-worker refusal each need the ta
 to go through Prefect's engine as usual (states, logs, retries, the UI) while something
 happens around the user's code. ``with_around`` makes a shallow copy of the task whose
 function runs inside a context manager, sync or async alike. ``functools.wraps`` keeps
-the original's signature, source and cache key, so Prefect binds the same parameters
-and the UI shows the user's function.
+the original's name and signature, so Prefect binds the same parameters and the UI
+shows the user's function; ``__prefect_task_source__`` points Prefect (3.9 and later)
+at the user's function for task keys and ``task_input_hash`` cache keys.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ def around_fn(fn: Callable[..., Any], around: Around) -> Callable[..., Any]:
             with around():
                 return await fn(*args, **kwargs)
 
-        return run_async
+        wrapper: Callable[..., Any] = run_async
+    else:
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with around():
-            return fn(*args, **kwargs)
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with around():
+                return fn(*args, **kwargs)
 
-    return run
+        wrapper = run
+    wrapper.__prefect_task_source__ = getattr(fn, "__prefect_task_source__", fn)  # type: ignore[attr-defined]
+    return wrapper
 
 
 def with_around(task: T, around: Around, **attributes: Any) -> T:

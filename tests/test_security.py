@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import ipaddress
 import os
@@ -22,11 +23,12 @@ from pathlib import Path
 import distributed
 import psutil
 import pytest
+from dask.utils import parse_bytes
 from distributed import Client, Security
 from prefect import flow, task
 from prefect.context import FlowRunContext
 
-from prefect_gpu_dask import GPUDaskTaskRunner
+from prefect_gpu_dask import GPUDaskTaskRunner, RunnerSettings
 from tests.conftest import DaskProcesses
 
 # -- 1. bad input -------------------------------------------------------------------
@@ -119,6 +121,10 @@ def test_good_arguments_are_accepted(kwargs):
     name, value = next(iter(kwargs.items()))
     if name == "tag_resources":
         assert runner.router.resources_for_tags({"nvme"}) == {"NVME": 0.5, "DISK": 2.0}
+    elif name == "leak_threshold":
+        assert runner.settings.leak_threshold == (parse_bytes(value) if isinstance(value, str) else value)
+    elif name in {f.name for f in dataclasses.fields(RunnerSettings)}:
+        assert getattr(runner.settings, name) == value
     else:
         assert getattr(runner, name) == value
 

@@ -84,7 +84,7 @@ async def wait_for_released_memory(pids: Callable[[], list[int]], timeout_s: flo
     return time.monotonic() - started
 
 
-def replacement_state(dask_worker: Any, guard_name: str) -> dict[str, Any]:
+def replacement_state(guard_name: str, dask_worker: Any = None) -> dict[str, Any]:
     """Who this worker is and its GPU memory now: read from a replacement after a restart."""
     guard = dask_worker.plugins.get(guard_name)
     probe = getattr(guard, "probe", None)
