@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one batch (see ../shared/device/README.md):
 # GPU tests, the GPU flows, the benchmark suite. Output goes to $OUT (default ./gpu-out).
-#   PHASES=tests,flows,bench (default: all three)   BENCH_ARGS="--sections cube,scaling"
+#   PHASES=tests,flows,probes,bench (default: all four)   BENCH_ARGS="--sections cube,scaling"
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
-PHASES=${PHASES:-tests,flows,bench}
+PHASES=${PHASES:-tests,flows,probes,bench}
 mkdir -p "$OUT"
 if [ -d .whl ]; then  # once per machine, again when the wheels change
   wheels=$(ls -l .whl | md5sum | cut -d' ' -f1)
@@ -21,7 +21,7 @@ quiet() { grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloadi
   python3 -c "import dask, distributed, dask_cuda, prefect, cupy; print('dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__)"
 } > "$OUT/environment.txt" 2>&1
 if [[ $PHASES == *tests* ]]; then
-  timeout 200 python3 -m pytest -p no:cacheprovider -m gpu -v -s tests/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -m gpu -v -s tests/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
   tail -3 "$OUT/gpu-tests.txt"
 fi
 if [[ $PHASES == *flows* ]]; then
@@ -30,6 +30,9 @@ if [[ $PHASES == *flows* ]]; then
     echo "flows/$flow.py exit $?" >> "$OUT/flow-$flow.txt"
     tail -2 "$OUT/flow-$flow.txt"
   done
+fi
+if [[ $PHASES == *probes* ]]; then
+  timeout 120 python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json" 2>&1 | tee "$OUT/probe-first-use.txt"
 fi
 if [[ $PHASES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 | quiet > "$OUT/bench.txt"

@@ -23,8 +23,14 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
-from prefect_gpu_dask.probe import MemoryProbe, MemorySample, process_sampler
-from prefect_gpu_dask.records import LEAK, RECORD_TOPIC, TaskRecord, format_bytes
+from prefect_gpu_dask.probe import (
+    AllocatorBytes,
+    MemoryProbe,
+    MemorySample,
+    allocator_reader,
+    process_sampler,
+)
+from prefect_gpu_dask.records import LEAK, LIBRARY, RECORD_TOPIC, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling.worker import drain, wait_for_released_memory
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.verdict import Verdict, verdict_for
@@ -53,19 +59,6 @@ def release_allocator_caches() -> None:
         torch.cuda.empty_cache()
     # RMM pools cannot shrink; a worker running on an RMM pool is judged after the
     # re-sample only, and its pool size belongs in leak_threshold.
-
-
-def cached_allocator_bytes() -> int:
-    """Device bytes that allocator pools hold as free blocks (reusable, not leaked)."""
-    cached = 0
-    cupy = sys.modules.get("cupy")
-    if cupy is not None:
-        pool = cupy.get_default_memory_pool()
-        cached += pool.total_bytes() - pool.used_bytes()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        cached += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    return cached
 
 
 def _create_cuda_context() -> bool:
@@ -161,6 +154,10 @@ class GPUMemoryGuard(WorkerPlugin):
         self._tickets = 0
         self._sampler: PeakSampler | None = None
         self._read_process: Callable[[], MemorySample] | None = None
+        self._read_allocators: Callable[[], AllocatorBytes] | None = None
+        # (task name, worker thread) that already left growth outside every allocator,
+        # and the threads alive then: libraries keep handles per thread.
+        self._grew: dict[tuple[str | None, int], frozenset[int]] = {}
 
     # -- WorkerPlugin -------------------------------------------------------------
     async def setup(self, worker: Any) -> None:
@@ -186,6 +183,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.baseline = self.probe.sample()
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
+        self._read_allocators = allocator_reader(self.probe)
         self._sampler = PeakSampler(self.probe)
 
     # -- around one task ----------------------------------------------------------
@@ -199,21 +197,33 @@ class GPUMemoryGuard(WorkerPlugin):
         before = self._read_process()
         if before.process == 0 and _create_cuda_context():
             before = self._read_process()  # the context is the process's, not the task's
-        before = before._replace(cached=cached_allocator_bytes())
+        held = self._read_allocators()
+        before = before._replace(cached=held.cached, owned=held.owned)
         self._sampler.start(ticket, before.judged)
         return ticket, before, time.perf_counter()
 
-    def end(self, ticket: int, before: MemorySample, started: float) -> tuple[Verdict, int, float]:
+    def end(
+        self, ticket: int, before: MemorySample, started: float, task: str | None = None
+    ) -> tuple[Verdict, int, float]:
+        """Judge the task that began with ``ticket``; ``task`` names it for the
+        one-time library growth allowance (per task and worker thread, renewed when the
+        process has new threads, which a library gives handles of their own)."""
         duration = time.perf_counter() - started
         self.tasks_run += 1
+        key = (task, threading.get_ident())
+        threads_then = self._grew.get(key)
         verdict = verdict_for(
             self.probe,
             before,
             self.settings,
             self.tasks_run,
             release_allocator_caches,
-            cached_bytes=cached_allocator_bytes,
+            allocators=self._read_allocators,
+            # Again on this thread, and no thread new since: no library's first use left.
+            grew_before=threads_then is not None and _thread_ids() <= threads_then,
         )
+        if verdict.status == LIBRARY:
+            self._grew[key] = _thread_ids()
         peak = self._sampler.stop(ticket, verdict.after.judged)
         return verdict, peak, duration
 
@@ -224,6 +234,10 @@ class GPUMemoryGuard(WorkerPlugin):
             # what it runs has finished. Queued before this task returns, so the next
             # task waiting for this one's slot never starts here.
             self.worker.loop.add_callback(drain, self.worker)
+
+
+def _thread_ids() -> frozenset[int]:
+    return frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
 
 
 def current_guard() -> GPUMemoryGuard | None:
@@ -253,11 +267,13 @@ def _task_identity() -> dict[str, Any]:
     }
 
 
-def build_record(guard: GPUMemoryGuard, verdict: Verdict, peak: int, duration: float) -> TaskRecord:
+def build_record(
+    guard: GPUMemoryGuard, verdict: Verdict, peak: int, duration: float, identity: dict[str, Any]
+) -> TaskRecord:
     """The one place a ``TaskRecord`` is made."""
     probe = guard.probe
     return TaskRecord(
-        **_task_identity(),
+        **identity,
         worker=guard.worker.address,
         worker_name=str(guard.worker.name),
         pid=os.getpid(),
@@ -267,6 +283,7 @@ def build_record(guard: GPUMemoryGuard, verdict: Verdict, peak: int, duration: f
         after=verdict.after.judged,
         peak=peak,
         delta=verdict.delta,
+        allocator_delta=verdict.allocator_delta,
         device_used=verdict.after.device_used,
         device_total=verdict.after.device_total,
         verdict=verdict.status,
@@ -286,6 +303,11 @@ def _log_record(record: TaskRecord) -> None:
         f"-> {record.verdict}"
     )
     run_logger = get_run_logger()
+    if record.verdict == LIBRARY:
+        message += (
+            " (one-time growth outside every allocator: a library's or CUDA's first use on this"
+            " thread; the same task growing again here would be a leak)"
+        )
     if record.verdict == LEAK or record.restart_reason:
         run_logger.warning(
             "%s; worker %s will be recycled (%s)", message, record.worker, record.restart_reason
@@ -308,7 +330,8 @@ def guarding() -> Iterator[None]:
     try:
         yield
     finally:
-        verdict, peak, duration = guard.end(ticket, before, started)
-        record = build_record(guard, verdict, peak, duration)
+        identity = _task_identity()
+        verdict, peak, duration = guard.end(ticket, before, started, identity["task_name"])
+        record = build_record(guard, verdict, peak, duration, identity)
         _log_record(record)
         guard.report(record)

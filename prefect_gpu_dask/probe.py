@@ -7,6 +7,7 @@ scripted probe while the GPU machine drives it with NVML.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -21,6 +22,7 @@ class MemorySample(NamedTuple):
     device_used: int
     device_total: int
     cached: int = 0  # free blocks held by allocator pools (CuPy, torch) in this process
+    owned: int | None = None  # bytes those allocators hand out (None: no allocator to ask)
 
     @property
     def judged(self) -> int:
@@ -37,6 +39,42 @@ class MemorySample(NamedTuple):
         return self.judged - self.cached
 
 
+class AllocatorBytes(NamedTuple):
+    """What the allocators loaded in this process say about their device memory."""
+
+    cached: int = 0  # free blocks pools keep for reuse
+    owned: int | None = None  # blocks handed out and not yet freed: memory a task still holds
+
+
+def loaded_allocator_bytes() -> AllocatorBytes:
+    """CuPy's and torch's pools and RMM's statistics, for the libraries already loaded.
+
+    Never imports anything: a library that is not in ``sys.modules`` holds nothing.
+    RMM counts only where its statistics are enabled (``rmm.statistics``).
+    """
+    cached, owned = 0, None
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        pool = cupy.get_default_memory_pool()
+        used = pool.used_bytes()
+        cached += pool.total_bytes() - used
+        owned = used
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        allocated = torch.cuda.memory_allocated()
+        cached += torch.cuda.memory_reserved() - allocated
+        owned = (owned or 0) + allocated
+    statistics = getattr(sys.modules.get("rmm"), "statistics", None)
+    if statistics is not None:
+        try:
+            stats = statistics.get_statistics()
+        except Exception:  # statistics not enabled: RMM cannot say
+            stats = None
+        if stats is not None:
+            owned = (owned or 0) + int(stats.current_bytes)
+    return AllocatorBytes(cached, owned)
+
+
 @dataclass(frozen=True)
 class GPUIdentity:
     index: int
@@ -49,12 +87,18 @@ class MemoryProbe(Protocol):
 
     A probe may also offer ``sample_process() -> MemorySample``: a cheaper reading whose
     device figures may be 0. The guard reads through ``process_sampler`` where only
-    ``judged`` matters (before a task, peaks during one) and ``sample()`` after.
+    ``judged`` matters (before a task, peaks during one) and ``sample()`` after. A probe
+    that models its own allocator offers ``allocator_bytes() -> AllocatorBytes``;
+    otherwise the guard asks the loaded libraries (``loaded_allocator_bytes``).
     """
 
     gpu: GPUIdentity
 
     def sample(self) -> MemorySample: ...
+
+
+def allocator_reader(probe: MemoryProbe) -> Callable[[], AllocatorBytes]:
+    return getattr(probe, "allocator_bytes", loaded_allocator_bytes)
 
 
 def process_sampler(probe: MemoryProbe) -> Callable[[], MemorySample]:

@@ -13,7 +13,8 @@ from typing import Any
 
 from dask.utils import format_bytes as _format_bytes
 
-CLEAN, CACHED, LEAK = "clean", "cached", "leak"
+CLEAN, CACHED, LIBRARY, LEAK = "clean", "cached", "library", "leak"
+VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK)
 # The Dask worker-event topic TaskRecords travel on, worker -> flow.
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 
@@ -41,9 +42,10 @@ class TaskRecord:
     after: int  # ... right after it (once caches had their chance, where suspected)
     peak: int  # the highest reading while it ran
     delta: int  # memory in use (less pools' free blocks) after minus before
+    allocator_delta: int | None  # of which allocators say the task still holds (None: none to ask)
     device_used: int
     device_total: int
-    verdict: str  # clean | cached | leak
+    verdict: str  # clean | cached | library | leak
     restart_reason: str | None
     duration_s: float
     time: float  # wall-clock end, seconds since the epoch

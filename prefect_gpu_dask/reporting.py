@@ -21,6 +21,7 @@ TABLE_COLUMNS = (
     "after",
     "peak",
     "delta",
+    "allocator_delta",
     "duration_s",
     "gpu_index",
     "gpu_uuid",
@@ -86,8 +87,8 @@ def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
     for record in records:
         values = asdict(record)
         row = {column: values[column] for column in TABLE_COLUMNS}
-        for column in ("before", "after", "peak", "delta"):
-            row[column] = format_bytes(values[column])
+        for column in ("before", "after", "peak", "delta", "allocator_delta"):
+            row[column] = "n/a" if values[column] is None else format_bytes(values[column])
         row["tags"] = ", ".join(record.tags)
         rows.append(row)
     return rows
@@ -109,12 +110,15 @@ def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRe
     lines += [
         "## Tasks per GPU",
         "",
-        "| GPU | tasks | clean | cached | leak |",
-        "|---|---:|---:|---:|---:|",
+        "| GPU | tasks | clean | cached | library | leak |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for gpu, counts in sorted(per_gpu.items()):
         total = sum(counts.values())
-        lines.append(f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['leak']} |")
+        lines.append(
+            f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['library']} "
+            f"| {counts['leak']} |"
+        )
     lines += ["", "## Leaks", ""]
     lines += [
         f"- **{r.task_run_name}** left {format_bytes(r.delta)} on GPU {r.gpu_index} ({r.worker})"

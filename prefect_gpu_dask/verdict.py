@@ -5,6 +5,13 @@ give memory back: CuPy's and torch's pools keep freed blocks, so a task that chu
 4 GiB through the pool looks 4 GiB heavier until the pool is flushed. Like PyTorch's
 own leak check, a suspicion is re-sampled after ``gc.collect()`` and a cache flush,
 and confirmed once more after the driver has had a moment to settle.
+
+Growth that survives that is a ``leak`` when the allocators say the task still holds
+it (their in-use bytes grew by more than the threshold). Growth outside every
+allocator is what a library's first use leaves in the process (cuBLAS/cuSOLVER
+handles and workspaces, once per thread; kernels loaded once per process): the first
+time a task leaves it on a worker thread it is ``library``, and only if the same task
+leaves it again on the same thread is it a ``leak``.
 """
 
 from __future__ import annotations
@@ -14,22 +21,38 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefect_gpu_dask.probe import MemoryProbe, MemorySample
-from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, format_bytes
+from prefect_gpu_dask.probe import AllocatorBytes, MemoryProbe, MemorySample
+from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, format_bytes
 from prefect_gpu_dask.settings import RunnerSettings
 
 
 @dataclass(frozen=True)
 class Verdict:
-    status: str  # clean | cached (caches flushed, then clean) | leak
+    status: str  # clean | cached | library | leak
     before: MemorySample
     after: MemorySample
     delta: int
     restart_reason: str | None = None
 
+    @property
+    def allocator_delta(self) -> int | None:
+        return owned_growth(self.before, self.after)
 
-def _read(probe: MemoryProbe, cached_bytes: Callable[[], int]) -> MemorySample:
-    return probe.sample()._replace(cached=cached_bytes())
+
+def no_allocators() -> AllocatorBytes:
+    return AllocatorBytes()
+
+
+def owned_growth(before: MemorySample, after: MemorySample) -> int | None:
+    """How much more the allocators hand out after the task, where they can say."""
+    if after.owned is None:
+        return None
+    return after.owned - (before.owned or 0)
+
+
+def _read(probe: MemoryProbe, allocators: Callable[[], AllocatorBytes]) -> MemorySample:
+    held = allocators()
+    return probe.sample()._replace(cached=held.cached, owned=held.owned)
 
 
 def judge(
@@ -38,14 +61,17 @@ def judge(
     settings: RunnerSettings,
     release_caches: Callable[[], None],
     sleep: Callable[[float], None] = time.sleep,
-    cached_bytes: Callable[[], int] = lambda: 0,
+    allocators: Callable[[], AllocatorBytes] = no_allocators,
+    grew_before: bool = False,
 ) -> tuple[str, MemorySample]:
-    """Sample after a task and decide clean / cached / leak, flushing only when needed.
+    """Sample after a task and decide clean / cached / library / leak, flushing only when needed.
 
     Memory in use (``MemorySample.live``) is what is judged, so warm pools stay warm
     for the next task; only growth the pools cannot explain triggers the flush.
+    ``grew_before``: this task already left growth outside every allocator on this
+    worker thread, so doing it again is no library's one-time cost.
     """
-    read = functools.partial(_read, probe, cached_bytes)
+    read = functools.partial(_read, probe, allocators)
     after = read()
     if after.live - before.live <= settings.leak_threshold:
         # The hot path: two NVML reads, no flush.
@@ -58,7 +84,10 @@ def judge(
     after = read()
     if after.live - before.live <= settings.leak_threshold:
         return CACHED, after
-    return LEAK, after
+    held = owned_growth(before, after)
+    if held is not None and held > settings.leak_threshold:
+        return LEAK, after  # the task's own allocations are still alive
+    return (LEAK if grew_before else LIBRARY), after
 
 
 def restart_reason(
@@ -93,12 +122,13 @@ def verdict_for(
     tasks_run: int,
     release_caches: Callable[[], None],
     sleep: Callable[[float], None] = time.sleep,
-    cached_bytes: Callable[[], int] = lambda: 0,
+    allocators: Callable[[], AllocatorBytes] = no_allocators,
+    grew_before: bool = False,
 ) -> Verdict:
-    status, after = judge(probe, before, settings, release_caches, sleep, cached_bytes)
+    status, after = judge(probe, before, settings, release_caches, sleep, allocators, grew_before)
     if status != LEAK and over_limit(after, settings):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
-        after = _read(probe, cached_bytes)
+        after = _read(probe, allocators)
     delta = after.live - before.live
     return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))

@@ -1,16 +1,18 @@
 """A memory probe for CPU-only machines: "device memory" is the bytes held by live FakeBlocks.
 
 It behaves like a GPU allocator where it matters to the guard: a block kept in a global
-is a leak; a block left in unreachable garbage (a reference cycle) is freed only when
-the guard's cache release runs ``gc.collect()``, just as a pool keeps freed blocks
-until ``free_all_blocks()``.
+is a leak (the "allocator" says it is still handed out); a block left in unreachable
+garbage (a reference cycle) is freed only when the guard's cache release runs
+``gc.collect()``, just as a pool keeps freed blocks until ``free_all_blocks()``; a
+block made by ``native`` is outside the allocator, as a library's handles and
+workspaces are.
 """
 
 from __future__ import annotations
 
 import weakref
 
-from prefect_gpu_dask.probe import GPUIdentity, MemorySample
+from prefect_gpu_dask.probe import AllocatorBytes, GPUIdentity, MemorySample
 
 TOTAL = 16 * 2**30
 LEAKED: list[FakeBlock] = []
@@ -21,8 +23,9 @@ FAKE_PROBE = "tests.scripted_probe:fake_probe"
 class FakeBlock:
     live: weakref.WeakSet[FakeBlock] = weakref.WeakSet()
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, pooled: bool = True):
         self.nbytes = nbytes
+        self.pooled = pooled
         FakeBlock.live.add(self)
 
 
@@ -33,6 +36,9 @@ class FakeDeviceProbe:
         used = sum(block.nbytes for block in list(FakeBlock.live))
         return MemorySample(used, used, TOTAL)
 
+    def allocator_bytes(self) -> AllocatorBytes:
+        return AllocatorBytes(owned=sum(b.nbytes for b in list(FakeBlock.live) if b.pooled))
+
 
 def fake_probe() -> FakeDeviceProbe:
     return FakeDeviceProbe()
@@ -40,6 +46,22 @@ def fake_probe() -> FakeDeviceProbe:
 
 def leak(nbytes: int) -> None:
     LEAKED.append(FakeBlock(nbytes))
+
+
+_NATIVE_DONE: set[str] = set()
+
+
+def native_once(name: str, nbytes: int) -> None:
+    """Grow ``nbytes`` outside the allocator, once per process and ``name``: what a
+    library's first use leaves behind (handles, workspaces, loaded kernels)."""
+    if name not in _NATIVE_DONE:
+        _NATIVE_DONE.add(name)
+        LEAKED.append(FakeBlock(nbytes, pooled=False))
+
+
+def native(nbytes: int) -> None:
+    """Grow ``nbytes`` outside the allocator every time: a leak no allocator can see."""
+    LEAKED.append(FakeBlock(nbytes, pooled=False))
 
 
 def churn(nbytes: int) -> None:
@@ -53,18 +75,36 @@ def churn(nbytes: int) -> None:
 
 
 class ScriptedProbe:
-    """Returns the given samples in order (the last one repeats)."""
+    """Returns the given samples in order (the last one repeats).
+
+    Its allocator hands out everything the last sample shows except ``outside`` bytes
+    (what a library holds beyond any allocator) and ``cached`` free pool blocks.
+    """
 
     gpu = GPUIdentity(3, "GPU-scripted")
 
-    def __init__(self, *process_bytes: int, device_used: int | None = None, total: int = TOTAL):
+    def __init__(
+        self,
+        *process_bytes: int,
+        device_used: int | None = None,
+        total: int = TOTAL,
+        outside: int = 0,
+        cached: int = 0,
+    ):
         self.samples = list(process_bytes)
         self.device_used = device_used
         self.total = total
+        self.outside = outside
+        self.cached = cached
         self.reads = 0
+        self.last = 0
 
     def sample(self) -> MemorySample:
         value = self.samples[min(self.reads, len(self.samples) - 1)]
         self.reads += 1
+        self.last = max(value, 0)
         used = self.device_used if self.device_used is not None else max(value, 0)
         return MemorySample(value, used, self.total)
+
+    def allocator_bytes(self) -> AllocatorBytes:
+        return AllocatorBytes(self.cached, max(0, self.last - self.outside - self.cached))

@@ -202,3 +202,75 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+
+
+@task(tags=["gpu"])
+def svd_of_tall_skinny(seed: int) -> float:
+    """As flows/svd.py: an SVD of a CuPy-backed 10000x1000 Dask array."""
+    import cupy
+    import dask
+    import dask.array as da
+
+    from prefect_gpu_dask import compute_on_gpus
+
+    with dask.config.set({"array.backend": "cupy"}):
+        x = da.random.default_rng(seed).random((10_000, 1_000), chunks=(1_000, 1_000))
+    _, s, _ = da.linalg.svd(x)
+    (values,) = compute_on_gpus(s)
+    return float(cupy.asnumpy(values)[0])
+
+
+@task(tags=["gpu"])
+def cupy_matmul(n: int) -> float:
+    import cupy
+
+    a = cupy.ones((n, n), dtype=cupy.float32)
+    return float((a @ a).sum())
+
+
+@task(tags=["gpu"])
+def torch_matmul(n: int) -> float:
+    import torch
+
+    a = torch.ones(n, n, device="cuda")
+    return float((a @ a).sum())
+
+
+def test_library_first_use_is_never_a_leak():
+    """Ten SVDs (cuSOLVER, per thread), the speed-cube, a first cuBLAS matmul and a torch
+    matmul on one cluster: no leak verdict and no restart; the planted leak still is one."""
+    try:
+        import torch  # noqa: F401
+
+        with_torch = True
+    except ImportError:
+        with_torch = False
+
+    @flow(task_runner=GPUDaskTaskRunner())
+    def first_uses():
+        [svd_of_tall_skinny.submit(i).result() for i in range(10)]
+        cupy_cube.submit(20_000, 2_000).result()
+        cupy_matmul.submit(4096).result()
+        if with_torch:
+            torch_matmul.submit(4096).result()
+        old, _ = plant_leak_where.submit(512 * MiB).result()
+        runner = FlowRunContext.get().task_runner
+        deadline = time.monotonic() + 60
+        while not runner.restarts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return sorted(runner.records, key=lambda r: r.time), runner.restarts
+
+    records, restarts = first_uses()
+    for r in records:
+        print(
+            f"record: {r.task_run_name:<28} {r.verdict:<8} delta {r.delta / MiB:8.1f} MiB "
+            f"allocator {'n/a' if r.allocator_delta is None else f'{r.allocator_delta / MiB:.1f}'} MiB "
+            f"peak {r.peak / MiB:8.1f} MiB worker {r.worker_name} pid {r.pid}"
+        )
+    print("restarts:", [(r.worker_name, r.reason) for r in restarts])
+    verdicts = {r.task_run_name: r.verdict for r in records}
+    leaks = [name for name, verdict in verdicts.items() if verdict == "leak"]
+    assert len(leaks) == 1 and leaks[0].startswith("plant_leak_where"), verdicts
+    [restart] = restarts
+    assert restart.reason.startswith("leak")
+    assert sum(name.startswith("svd_of_tall_skinny") for name in verdicts) == 10

@@ -6,13 +6,14 @@ The workers are real processes under real nannies; only the memory figure is scr
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
-from prefect import flow, task
+from prefect import flow, tags, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
@@ -24,7 +25,7 @@ from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner
 from prefect_gpu_dask.recycling.worker import drain
-from tests.scripted_probe import FAKE_PROBE, churn, leak
+from tests.scripted_probe import FAKE_PROBE, churn, leak, native, native_once
 
 MiB = 2**20
 
@@ -154,6 +155,58 @@ def test_pool_churn_is_clean_and_never_restarts(dask_processes, tmp_path):
     assert artifact.data.count('"verdict": "cached"') + artifact.data.count('"verdict": "clean"') == 3
 
 
+@task(tags=["gpu"])
+def first_use(ledger: str, i: int) -> int:
+    native_once("solver", 512 * MiB)  # like cuSOLVER's handles: once per process
+    return note_run(ledger, f"first-use-{i}")
+
+
+@task(tags=["gpu"])
+def native_leak(ledger: str) -> int:
+    native(512 * MiB)  # outside any allocator, every time
+    return note_run(ledger, "native-leak")
+
+
+def test_one_time_library_growth_is_never_a_leak_but_recurring_growth_is(dask_processes, tmp_path):
+    address = start_guarded_cluster(dask_processes)
+    ledger = str(tmp_path / "ledger")
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
+    def first_uses():
+        pids = [first_use.submit(ledger, i).result() for i in range(10)]
+        runner = FlowRunContext.get().task_runner
+        records = runner.records
+        return pids, records, runner.restarts
+
+    pids, records, restarts = first_uses()
+    assert len(set(pids)) == 1 and restarts == ()
+    verdicts = [r.verdict for r in sorted(records, key=lambda r: r.time)]
+    assert verdicts == ["library"] + ["clean"] * 9, verdicts
+    first = min(records, key=lambda r: r.time)
+    assert first.delta == 512 * MiB and first.allocator_delta == 0 and first.restart_reason is None
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
+    def recurring():
+        # One worker thread, so the task's second run is on the thread of its first.
+        runner = FlowRunContext.get().task_runner
+        for _ in range(2):
+            native_leak.submit(ledger).result()
+        deadline = time.monotonic() + 60
+        while not runner.restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records = sorted(runner.records, key=lambda r: r.time)
+        verdicts = [r.verdict for r in records if r.task_name == "native_leak"]
+        return verdicts, runner.restarts
+
+    dask_processes.start_worker("gpu-1-thread", "--nthreads", "1", "--resources", "GPU=2")
+    dask_processes.wait_for_workers(3)
+    with tags("gpu:2"):
+        verdicts, restarts = recurring()
+    assert verdicts == ["library", "leak"], verdicts
+    [restart] = restarts
+    assert restart.reason.startswith("leak: task left 512.00 MiB") and restart.worker_name == "gpu-1-thread"
+
+
 @pytest.mark.parametrize("policy", ["cluster", "never"])
 def test_restart_policies(dask_processes, tmp_path, policy):
     address = start_guarded_cluster(dask_processes)
@@ -258,3 +311,44 @@ def runner_restarts(wait: bool = True, timeout: float = 60) -> list:
     while wait and not runner.restarts and time.monotonic() < deadline:
         time.sleep(0.05)
     return list(runner.restarts)
+
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_recycle_cut_short_by_the_flow_ending_is_one_info_line(tmp_path):
+    """The flow ends while its local cluster is recycling a leaking worker: no ERROR,
+    no traceback; at most one INFO line saying what was not recycled."""
+    ledger = str(tmp_path / "ledger")
+    handler = Collect()
+    watched = [logging.getLogger("prefect"), logging.getLogger("prefect_gpu_dask")]
+    for logger in watched:
+        logger.addHandler(handler)
+
+    @flow(
+        task_runner=GPUDaskTaskRunner(
+            cluster_class="distributed.LocalCluster",
+            cluster_kwargs={"n_workers": 1, "threads_per_worker": 2, "resources": {"GPU": 1}},
+            memory_probe=FAKE_PROBE,
+        )
+    )
+    def ends_mid_recycle() -> int:
+        value = leaky.submit(ledger, 512 * MiB).result()
+        time.sleep(0.5)  # the verdict reaches the flow; the recycle starts
+        return value
+
+    try:
+        assert ends_mid_recycle() == 21
+    finally:
+        for logger in watched:
+            logger.removeHandler(handler)
+    errors = [r for r in handler.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert errors == [], [r.getMessage() for r in errors]
+    skipped = [r for r in handler.records if "Not recycling" in r.getMessage()]
+    assert len(skipped) <= 1 and all(r.levelno == logging.INFO for r in skipped)

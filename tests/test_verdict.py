@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefect_gpu_dask.probe import MemorySample
-from prefect_gpu_dask.records import CACHED, CLEAN, LEAK
+from prefect_gpu_dask.probe import AllocatorBytes, MemorySample
+from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.verdict import restart_reason, verdict_for
 from tests.scripted_probe import ScriptedProbe
@@ -24,10 +24,12 @@ class Flushes:
         self.count += 1
 
 
-def run(probe, before=1 * GiB, settings=SETTINGS, tasks_run=1):
+def run(probe, before=1 * GiB, settings=SETTINGS, tasks_run=1, grew_before=False):
     flushes, sleeps = Flushes(), []
-    start = MemorySample(before, before, probe.total)
-    verdict = verdict_for(probe, start, settings, tasks_run, flushes, sleeps.append)
+    start = MemorySample(before, before, probe.total, owned=before)
+    verdict = verdict_for(
+        probe, start, settings, tasks_run, flushes, sleeps.append, probe.allocator_bytes, grew_before
+    )
     return verdict, flushes.count, sleeps
 
 
@@ -67,7 +69,10 @@ def test_threshold_is_inclusive():
 def test_device_wide_figure_when_process_memory_is_unknown():
     probe = ScriptedProbe(-1, device_used=3 * GiB)
     start = MemorySample(-1, 1 * GiB, probe.total)
+    # No allocator to ask: the first such growth is a library's, the second a leak.
     verdict = verdict_for(probe, start, SETTINGS, 1, Flushes(), lambda s: None)
+    assert verdict.status == LIBRARY and verdict.delta == 2 * GiB and verdict.restart_reason is None
+    verdict = verdict_for(probe, start, SETTINGS, 1, Flushes(), lambda s: None, grew_before=True)
     assert verdict.status == LEAK and verdict.delta == 2 * GiB
 
 
@@ -118,7 +123,9 @@ def test_growth_explained_by_pool_free_blocks_is_judged_without_a_flush():
     probe = ScriptedProbe(5 * GiB)
     flushes = Flushes()
     start = MemorySample(1 * GiB, 1 * GiB, probe.total)
-    verdict = verdict_for(probe, start, SETTINGS, 1, flushes, lambda s: None, cached_bytes=lambda: 4 * GiB)
+    verdict = verdict_for(
+        probe, start, SETTINGS, 1, flushes, lambda s: None, lambda: AllocatorBytes(cached=4 * GiB)
+    )
     assert (verdict.status, flushes.count) == (CACHED, 0)
 
 
@@ -126,8 +133,9 @@ def test_pool_free_blocks_do_not_hide_a_leak():
     # 4 GiB grew, only 1 GiB of it is free pool blocks: flush, re-sample, still a leak.
     probe = ScriptedProbe(5 * GiB)
     flushes = Flushes()
-    start = MemorySample(1 * GiB, 1 * GiB, probe.total)
-    verdict = verdict_for(probe, start, SETTINGS, 1, flushes, lambda s: None, cached_bytes=lambda: 1 * GiB)
+    start = MemorySample(1 * GiB, 1 * GiB, probe.total, owned=1 * GiB)
+    held = AllocatorBytes(cached=1 * GiB, owned=4 * GiB)
+    verdict = verdict_for(probe, start, SETTINGS, 1, flushes, lambda s: None, lambda: held)
     assert (verdict.status, flushes.count) == (LEAK, 1)
 
 
@@ -150,11 +158,17 @@ def test_leak_served_from_the_pools_free_blocks_is_caught():
     # The pool already held 4 GiB free; a 512 MiB leak reused it, so the driver's figure
     # did not move. In-use memory did: flush, re-sample, and it is a leak.
     probe = ScriptedProbe(5 * GiB, 5 * GiB, 1536 * MiB)
-    cached = iter([int(3.5 * GiB), int(3.5 * GiB), 0, 0])
+    cached_bytes = iter([int(3.5 * GiB), int(3.5 * GiB), 0, 0])
     flushes = Flushes()
-    start = MemorySample(5 * GiB, 5 * GiB, probe.total, cached=4 * GiB)
+    start = MemorySample(5 * GiB, 5 * GiB, probe.total, cached=4 * GiB, owned=1 * GiB)
     verdict = verdict_for(
-        probe, start, SETTINGS, 1, flushes, lambda s: None, cached_bytes=lambda: next(cached)
+        probe,
+        start,
+        SETTINGS,
+        1,
+        flushes,
+        lambda s: None,
+        lambda: AllocatorBytes(next(cached_bytes), 1536 * MiB),  # the pool hands out 512 MiB more
     )
     assert (verdict.status, flushes.count) == (LEAK, 1)
     assert verdict.delta == 512 * MiB
@@ -276,3 +290,50 @@ def test_a_process_reading_that_cannot_attribute_memory_falls_back_to_the_full_o
 
     probe = Unattributed(-1, device_used=3 * GiB)
     assert process_sampler(probe)().judged == 3 * GiB
+
+
+def test_growth_outside_every_allocator_is_a_library_once_then_a_leak():
+    # cuSOLVER's handles on a thread new to it: 900 MiB, none of it handed out by a pool.
+    grew = 1 * GiB + 900 * MiB
+    verdict, flushes, sleeps = run(ScriptedProbe(grew, outside=900 * MiB))
+    assert verdict.status == LIBRARY and verdict.restart_reason is None
+    assert verdict.delta == 900 * MiB and verdict.allocator_delta == 0
+    assert flushes == 1 and len(sleeps) == 1  # caches had their chance first
+    verdict, _, _ = run(ScriptedProbe(grew, outside=900 * MiB), grew_before=True)
+    assert verdict.status == LEAK and verdict.restart_reason.startswith("leak: task left 900.00 MiB")
+
+
+def test_memory_a_pool_still_hands_out_is_a_leak_even_beside_library_growth():
+    # 512 MiB of arrays kept alive in a global, plus a library's first-use growth.
+    verdict, _, _ = run(ScriptedProbe(1 * GiB + 512 * MiB + 300 * MiB, outside=300 * MiB))
+    assert verdict.status == LEAK and verdict.allocator_delta == 512 * MiB
+
+
+def test_library_growth_recycles_only_over_the_memory_limit():
+    probe = ScriptedProbe(1 * GiB + 900 * MiB, outside=900 * MiB, device_used=int(0.95 * 16 * GiB))
+    verdict, _, _ = run(probe)
+    assert verdict.status == LIBRARY and verdict.restart_reason.startswith("memory limit")
+
+
+def test_the_guard_allows_library_growth_once_per_task_and_worker_thread():
+    import threading
+
+    probe = TwoReadingsProbe(1 * GiB, device_used=2 * GiB)
+    probe.outside = 1 * GiB  # every sample after the first shows +1 GiB outside the pool
+    guard = started_guard(probe)
+
+    def judged(task: str) -> str:
+        probe.samples = [1 * GiB, 2 * GiB]
+        probe.reads = 0
+        ticket, before, started = guard.begin()
+        before = before._replace(owned=1 * GiB)
+        return guard.end(ticket, before, started, task)[0].status
+
+    assert judged("svd") == LIBRARY
+    assert judged("matmul") == LIBRARY  # another task: its own first use
+    other: list[str] = []
+    thread = threading.Thread(target=lambda: other.append(judged("svd")))
+    thread.start()
+    thread.join()
+    assert other == [LIBRARY]  # another thread: its own handles
+    assert judged("svd") == LEAK  # the same task on the same thread, growing again

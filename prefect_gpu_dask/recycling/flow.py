@@ -127,8 +127,10 @@ class Recycler:
             try:
                 self._recycle(request)
             except Exception as exc:
-                if self._closing.is_set() or self.client.status != "running":
-                    self.logger.info("Stopped recycling %s: the cluster closed (%s)", request.worker, exc)
+                if self._closing.is_set():  # close() said what it skipped
+                    self.logger.debug("Recycling %s stopped by the cluster closing: %r", request.worker, exc)
+                elif self.client.status != "running":
+                    self.logger.info("Not recycling %s: the cluster closed", request.worker)
                 else:
                     self.logger.exception("Restarting worker %s failed", request.worker)
             finally:
@@ -153,8 +155,7 @@ class Recycler:
                     self.logger.warning("%s left the cluster before it could be recycled", targets)
                     return
                 if self._closing.is_set():
-                    self.logger.info("Not recycling %s: the cluster is closing", ", ".join(targets))
-                    return
+                    return  # close() said what it skipped
                 if time.monotonic() > deadline:
                     self.logger.error("Gave up recycling %s: no safe point", targets)
                     return
