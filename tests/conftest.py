@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +64,7 @@ class DaskProcesses:
             stdout=open(self.tmp / log, "w"),
             stderr=subprocess.STDOUT,
             env=env,
+            start_new_session=True,  # its own process group: close() ends nanny and worker at once
         )
         self.procs.append(proc)
         return proc
@@ -106,13 +109,14 @@ class DaskProcesses:
             client.wait_for_workers(n, timeout=timeout)
 
     def close(self) -> None:
+        """Kill every process group: a graceful close of a worker whose scheduler is
+        going too spends seconds giving up on it, and nothing here is kept."""
         for proc in self.procs:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.wait(10)
+        self.procs.clear()
 
 
 @pytest.fixture(scope="session")

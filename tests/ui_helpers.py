@@ -1,4 +1,4 @@
-"""Shared by tests/test_events.py and tests/test_ui_browser.py: a leaking flow on real
+"""Shared by tests/integration/test_events.py and tests/integration/test_ui_browser.py: a leaking flow on real
 Dask processes (scripted probe, so it runs on CPU) and polling reads of the event API."""
 
 from __future__ import annotations

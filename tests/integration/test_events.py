@@ -26,7 +26,7 @@ from prefect_gpu_dask.reporting import LEAK_EVENT, RESTART_EVENT
 from tests.scripted_probe import FakeDeviceProbe
 from tests.ui_helpers import LEAK_BYTES, read_events, run_leaking_flow, start_guarded_cluster
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 AUTOMATIONS = ROOT / "deployments" / "automations"
 YAML_FILE = AUTOMATIONS / "leak-notify.yaml"
 GPU_RESOURCE = f"prefect-gpu-dask.gpu.{FakeDeviceProbe.gpu.uuid}"

@@ -32,7 +32,7 @@ import pytest
 from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
 from tests.ui_helpers import LEAK_BYTES, HeadlessChromium, start_guarded_cluster
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 TABLE_PNG = "flow-run-gpu-memory.png"
 SUMMARY_PNG = "flow-run-gpu-memory-summary.png"

@@ -119,7 +119,7 @@ def test_generated_partitions_are_reproducible_and_dirty():
 
 def test_leak_demo_completes_and_guard_is_a_noop_without_gpu():
     if DEVICE == "GPU":
-        pytest.skip("on a GPU the leak is real: tests/test_gpu.py covers the restart")
+        pytest.skip("on a GPU the leak is real: tests/integration/test_gpu.py covers the restart")
     report = small(leak_demo, leak_threshold="256MiB")(mib=512, timeout_s=5)
     assert report["device"] == "CPU"
     assert report["guard"] == "no-op"

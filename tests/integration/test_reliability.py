@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,23 +45,9 @@ def wait_for_file(path: Path, timeout: float = 60) -> str:
     return path.read_text()
 
 
-def stop_workers_first(procs: DaskProcesses) -> None:
-    """Stop the workers before their scheduler: conftest stops all at once, and a worker
-    whose scheduler went first spends ~8 s giving up on it; this way it takes < 1 s."""
-    workers = procs.procs[1:]  # procs[0] is the scheduler
-    for proc in workers:
-        proc.terminate()
-    for proc in workers:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture
 def procs(dask_processes: DaskProcesses):
-    yield dask_processes
-    stop_workers_first(dask_processes)
+    return dask_processes
 
 
 def max_concurrency(spans: list[tuple[float, float]]) -> int:
@@ -448,7 +433,6 @@ def load_cluster(tmp_path_factory):
     procs.start_worker("cpu-worker", "--nthreads", "4")
     procs.wait_for_workers(2)
     yield procs.address
-    stop_workers_first(procs)
     procs.close()
 
 
