@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,10 +31,10 @@ from prefect_gpu_dask.probe import (
     allocator_reader,
     process_sampler,
 )
-from prefect_gpu_dask.records import LEAK, LIBRARY, RECORD_TOPIC, TaskRecord, format_bytes
+from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling.worker import drain, wait_for_released_memory
 from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.verdict import Verdict, verdict_for
+from prefect_gpu_dask.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
 
 PLUGIN_NAME = "prefect-gpu-dask-guard"
 PEAK_INTERVAL_S = 0.005
@@ -203,7 +204,12 @@ class GPUMemoryGuard(WorkerPlugin):
         return ticket, before, time.perf_counter()
 
     def end(
-        self, ticket: int, before: MemorySample, started: float, task: str | None = None
+        self,
+        ticket: int,
+        before: MemorySample,
+        started: float,
+        task: str | None = None,
+        oom: OutOfMemory | None = None,
     ) -> tuple[Verdict, int, float]:
         """Judge the task that began with ``ticket``; ``task`` names it for the
         one-time library growth allowance (per task and worker thread, renewed when the
@@ -221,6 +227,7 @@ class GPUMemoryGuard(WorkerPlugin):
             allocators=self._read_allocators,
             # Again on this thread, and no thread new since: no library's first use left.
             grew_before=threads_then is not None and _thread_ids() <= threads_then,
+            oom=oom,
         )
         if verdict.status == LIBRARY:
             self._grew[key] = _thread_ids()
@@ -290,6 +297,8 @@ def build_record(
         restart_reason=verdict.restart_reason,
         duration_s=round(duration, 6),
         time=time.time(),
+        oom_requested=verdict.oom.requested if verdict.oom else None,
+        oom_library=verdict.oom.library if verdict.oom else None,
     )
 
 
@@ -303,6 +312,9 @@ def _log_record(record: TaskRecord) -> None:
         f"-> {record.verdict}"
     )
     run_logger = get_run_logger()
+    if record.verdict == OOM:
+        asked = "" if record.oom_requested is None else f" asking for {format_bytes(record.oom_requested)}"
+        message += f" (CUDA out of memory in {record.oom_library}{asked})"
     if record.verdict == LIBRARY:
         message += (
             " (one-time growth outside every allocator: a library's or CUDA's first use on this"
@@ -327,11 +339,18 @@ def guarding() -> Iterator[None]:
         yield
         return
     ticket, before, started = guard.begin()
+    oom = None
     try:
         yield
+    except BaseException as exc:
+        oom = out_of_memory(exc)
+        # The traceback's frames hold the failed task's arrays: judged with them alive,
+        # any failed task would look like a leak. The exception itself still propagates.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         identity = _task_identity()
-        verdict, peak, duration = guard.end(ticket, before, started, identity["task_name"])
+        verdict, peak, duration = guard.end(ticket, before, started, identity["task_name"], oom)
         record = build_record(guard, verdict, peak, duration, identity)
         _log_record(record)
         guard.report(record)

@@ -13,8 +13,8 @@ from typing import Any
 
 from dask.utils import format_bytes as _format_bytes
 
-CLEAN, CACHED, LIBRARY, LEAK = "clean", "cached", "library", "leak"
-VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK)
+CLEAN, CACHED, LIBRARY, LEAK, OOM = "clean", "cached", "library", "leak", "oom"
+VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
 # The Dask worker-event topic TaskRecords travel on, worker -> flow.
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 
@@ -45,10 +45,12 @@ class TaskRecord:
     allocator_delta: int | None  # of which allocators say the task still holds (None: none to ask)
     device_used: int
     device_total: int
-    verdict: str  # clean | cached | library | leak
+    verdict: str  # clean | cached | library | leak | oom
     restart_reason: str | None
     duration_s: float
     time: float  # wall-clock end, seconds since the epoch
+    oom_requested: int | None = None  # bytes the failed allocation asked for, where the library says
+    oom_library: str | None = None  # cupy | torch | rmm | numba | cuda
 
     def to_event(self) -> dict[str, Any]:
         """Plain data for ``Worker.log_event`` (msgpack-friendly)."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from prefect_gpu_dask.records import LEAK, RestartRecord, TaskRecord, format_bytes
+from prefect_gpu_dask.records import LEAK, VERDICTS, RestartRecord, TaskRecord, format_bytes
 
 TABLE_KEY = "gpu-memory"
 SUMMARY_KEY = "gpu-memory-summary"
@@ -29,6 +29,7 @@ TABLE_COLUMNS = (
     "tags",
     "task_run_id",
     "restart_reason",
+    "oom_requested",
 )
 
 
@@ -110,15 +111,12 @@ def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRe
     lines += [
         "## Tasks per GPU",
         "",
-        "| GPU | tasks | clean | cached | library | leak |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| GPU | tasks | " + " | ".join(VERDICTS) + " |",
+        "|---|---:|" + "---:|" * len(VERDICTS),
     ]
     for gpu, counts in sorted(per_gpu.items()):
-        total = sum(counts.values())
-        lines.append(
-            f"| {gpu} | {total} | {counts['clean']} | {counts['cached']} | {counts['library']} "
-            f"| {counts['leak']} |"
-        )
+        cells = " | ".join(str(counts[verdict]) for verdict in VERDICTS)
+        lines.append(f"| {gpu} | {sum(counts.values())} | {cells} |")
     lines += ["", "## Leaks", ""]
     lines += [
         f"- **{r.task_run_name}** left {format_bytes(r.delta)} on GPU {r.gpu_index} ({r.worker})"

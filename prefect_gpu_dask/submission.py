@@ -20,11 +20,12 @@ from uuid import uuid4
 import cloudpickle
 import distributed
 from prefect.context import EngineContext, SettingsContext, SyncClientContext, serialize_context
+from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.recycling.worker import died_on, refusal
+from prefect_gpu_dask.recycling.worker import WorkerDiedError, died_on, refusal
 from prefect_gpu_dask.taskwrap import with_around
 
 _SETTINGS = _compat.context_var(SettingsContext)
@@ -198,7 +199,7 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
     if (dead := died_on()) is not None:
-        # Fails at once, naming the dead worker; never retried (that would run it again).
+        # Crashes at once, naming the dead worker; never retried (that would run it again).
         task = with_around(task, refusal(dead), retries=0)
     settings, clients = _settings_and_client(context.pop("settings_context"))
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
@@ -209,6 +210,9 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
         if task.isasync:
             return asyncio.run(run_task_async(task=task, context=context, return_type="state", **run_kwargs))
         return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+    except WorkerDiedError as exc:
+        # The engine has recorded the crash; the flow gets the same state back.
+        return Crashed(message=str(exc))
     finally:
         _CLIENTS.reset(clients_reset)
         _SETTINGS.reset(settings_reset)

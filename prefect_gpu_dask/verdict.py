@@ -17,22 +17,77 @@ leaves it again on the same thread is it a ``leak``.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefect_gpu_dask.probe import AllocatorBytes, MemoryProbe, MemorySample
-from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, format_bytes
+from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, OOM, format_bytes
 from prefect_gpu_dask.settings import RunnerSettings
 
 
 @dataclass(frozen=True)
+class OutOfMemory:
+    """A CUDA out-of-memory error, as one of the GPU libraries raised it."""
+
+    library: str  # cupy | torch | rmm | numba | cuda
+    requested: int | None  # bytes asked for, where the message says
+    message: str
+
+
+_SIZES = re.compile(r"(?:allocating|allocate)\s+([\d,]+)\s*bytes", re.IGNORECASE)
+_HUMAN = re.compile(r"Tried to allocate\s+([\d.]+\s*[KMGTP]i?B)", re.IGNORECASE)
+
+
+def _requested(message: str) -> int | None:
+    from dask.utils import parse_bytes
+
+    if match := _SIZES.search(message):
+        return int(match.group(1).replace(",", ""))
+    if match := _HUMAN.search(message):
+        return parse_bytes(match.group(1).replace(" ", ""))
+    return None
+
+
+def _one_oom(exc: BaseException) -> OutOfMemory | None:
+    kind, module, message = type(exc).__name__, type(exc).__module__ or "", str(exc)
+    library = None
+    if kind == "OutOfMemoryError" and module.startswith("cupy"):
+        library = "cupy"
+    elif (kind == "OutOfMemoryError" and module.startswith("torch")) or "CUDA out of memory" in message:
+        library = "torch"
+    elif isinstance(exc, MemoryError) and ("out_of_memory" in message or "bad_alloc" in message):
+        library = "rmm"
+    elif kind == "CudaAPIError" and "OUT_OF_MEMORY" in message:
+        library = "numba"
+    elif "out of memory" in message.lower() and "cuda" in message.lower():
+        library = "cuda"
+    return None if library is None else OutOfMemory(library, _requested(message), message[:500])
+
+
+def out_of_memory(exc: BaseException | None) -> OutOfMemory | None:
+    """The CUDA out-of-memory error behind ``exc`` (itself, its cause or context), if any.
+
+    Recognised by type and message, so no GPU library is imported to ask.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if (found := _one_oom(exc)) is not None:
+            return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@dataclass(frozen=True)
 class Verdict:
-    status: str  # clean | cached | library | leak
+    status: str  # clean | cached | library | leak | oom
     before: MemorySample
     after: MemorySample
     delta: int
     restart_reason: str | None = None
+    oom: OutOfMemory | None = None
 
     @property
     def allocator_delta(self) -> int | None:
@@ -101,6 +156,8 @@ def restart_reason(
     if status == LEAK:
         threshold = format_bytes(settings.leak_threshold)
         return f"leak: task left {format_bytes(delta)} on the GPU (threshold {threshold})"
+    if status == OOM and delta > settings.leak_threshold:
+        return f"oom: {format_bytes(delta)} still held after an out-of-memory error and a cache flush"
     if over_limit(after, settings):
         return (
             f"memory limit: GPU {after.device_used / after.device_total:.0%} used "
@@ -124,7 +181,17 @@ def verdict_for(
     sleep: Callable[[float], None] = time.sleep,
     allocators: Callable[[], AllocatorBytes] = no_allocators,
     grew_before: bool = False,
+    oom: OutOfMemory | None = None,
 ) -> Verdict:
+    """The verdict on one task. ``oom``: the task failed on a CUDA out-of-memory error;
+    its verdict is ``oom``, and its worker is recycled only if, with the pools flushed,
+    the memory has not come back."""
+    if oom is not None:
+        release_caches()
+        sleep(settings.settle_s)
+        after = _read(probe, allocators)
+        delta = after.live - before.live
+        return Verdict(OOM, before, after, delta, restart_reason(OOM, after, delta, tasks_run, settings), oom)
     status, after = judge(probe, before, settings, release_caches, sleep, allocators, grew_before)
     if status != LEAK and over_limit(after, settings):
         # Cached blocks count toward the device's use: give them back before recycling.

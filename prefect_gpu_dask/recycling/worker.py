@@ -33,8 +33,13 @@ NOT_STARTED = {"waiting", "ready", "constrained"}
 _drains: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
 
 
-class WorkerDiedError(RuntimeError):
-    """The Dask worker running this task run died before it finished."""
+class WorkerDiedError(BaseException):
+    """The Dask worker running this task run died before it finished.
+
+    A ``BaseException``, like Prefect's own ``TerminationSignal``: Prefect's engine
+    reports it as a crash (``Crashed``: infrastructure lost, not the task's code failing),
+    and never retries it.
+    """
 
 
 def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> dict[str, Any]:

@@ -159,18 +159,43 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
     assert restart.serving_s < 10
 
 
-def test_out_of_memory_fails_the_task_and_the_gpu_recovers():
+@task(tags=["gpu"])
+def fill_until_oom(piece: int) -> int:
+    import cupy
+
+    pieces = []
+    while True:  # CuPy raises OutOfMemoryError; the pieces die with this frame
+        pieces.append(cupy.ones(piece // 8, dtype=cupy.float64))
+
+
+def test_out_of_memory_is_an_oom_verdict_not_a_leak_and_the_gpu_recovers():
     @flow(task_runner=GPUDaskTaskRunner())
     def oom():
-        failed = out_of_memory.submit()
-        failed.wait()
+        huge = out_of_memory.submit()
+        huge.wait()
+        filled = fill_until_oom.submit(4 * GiB)
+        filled.wait()
         # Every GPU (with two workers, the OOM's own among them) still runs work.
-        return failed.state, [device_report.submit().result() for _ in range(6)]
+        reports = [device_report.submit().result() for _ in range(6)]
+        runner = FlowRunContext.get().task_runner
+        return huge.state, filled.state, reports, runner.records, runner.restarts
 
-    state, reports = oom()
-    assert state.is_failed()
-    assert "OutOfMemoryError" in state.message or "out of memory" in state.message.lower()
+    huge, filled, reports, records, restarts = oom()
+    for r in records:
+        print(
+            f"record: {r.task_run_name:<24} {r.verdict:<6} delta {r.delta / MiB:9.1f} MiB "
+            f"peak {r.peak / GiB:6.1f} GiB asked {r.oom_requested} ({r.oom_library}) "
+            f"restart {r.restart_reason}"
+        )
+    for state in (huge, filled):
+        assert state.is_failed()
+        assert "OutOfMemoryError" in state.message or "out of memory" in state.message.lower()
     assert all(report["sum"] == 285 for report in reports)
+    by_task = {r.task_run_name.rsplit("-", 1)[0]: r for r in records}
+    assert by_task["out_of_memory"].verdict == "oom" and by_task["out_of_memory"].oom_requested == 10**15
+    fill = by_task["fill_until_oom"]
+    assert fill.verdict == "oom" and fill.oom_library == "cupy" and fill.oom_requested == 4 * GiB
+    assert restarts == (), restarts  # the memory came back: no recycle
 
 
 def test_gpu_task_computes_a_collection_over_every_gpu():

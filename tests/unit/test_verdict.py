@@ -337,3 +337,110 @@ def test_the_guard_allows_library_growth_once_per_task_and_worker_thread():
     thread.join()
     assert other == [LIBRARY]  # another thread: its own handles
     assert judged("svd") == LEAK  # the same task on the same thread, growing again
+
+
+def _exception(module: str, name: str, base: type = Exception) -> type:
+    return type(name, (base,), {"__module__": module})
+
+
+@pytest.mark.parametrize(
+    "exc, library, requested",
+    [
+        (
+            _exception("cupy.cuda.memory", "OutOfMemoryError")(
+                "Out of memory allocating 4,294,967,296 bytes (allocated so far: 0 bytes)."
+            ),
+            "cupy",
+            4 * GiB,
+        ),
+        (
+            _exception("torch.cuda", "OutOfMemoryError", RuntimeError)(
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79 GiB"
+            ),
+            "torch",
+            20 * GiB,
+        ),
+        (
+            MemoryError("std::bad_alloc: out_of_memory: CUDA error at: rmm/mr/device/cuda_memory_resource"),
+            "rmm",
+            None,
+        ),
+        (
+            _exception("numba.cuda.cudadrv.driver", "CudaAPIError")(
+                "[2] Call to cuMemAlloc results in CUDA_ERROR_OUT_OF_MEMORY"
+            ),
+            "numba",
+            None,
+        ),
+    ],
+)
+def test_cuda_out_of_memory_is_recognised_per_library(exc, library, requested):
+    from prefect_gpu_dask.verdict import out_of_memory
+
+    found = out_of_memory(exc)
+    assert found is not None and (found.library, found.requested) == (library, requested)
+    try:
+        raise RuntimeError("task failed") from exc  # behind a wrapper, too
+    except RuntimeError as wrapped:
+        assert out_of_memory(wrapped).library == library
+
+
+@pytest.mark.parametrize("exc", [ValueError("bad input"), MemoryError("host"), RuntimeError("out of time")])
+def test_other_failures_are_not_out_of_memory(exc):
+    from prefect_gpu_dask.verdict import out_of_memory
+
+    assert out_of_memory(exc) is None
+
+
+def test_an_oom_whose_memory_comes_back_is_oom_without_a_restart():
+    from prefect_gpu_dask.verdict import OutOfMemory
+
+    oom = OutOfMemory("cupy", 200 * GiB, "Out of memory allocating ...")
+    # The failed fill-until-OOM left 12 GiB in the pool; the flush gives it back.
+    probe = ScriptedProbe(1 * GiB + 10 * MiB)
+    flushes = Flushes()
+    start = MemorySample(1 * GiB, 1 * GiB, probe.total, owned=1 * GiB)
+    verdict = verdict_for(probe, start, SETTINGS, 1, flushes, lambda s: None, probe.allocator_bytes, oom=oom)
+    assert verdict.status == "oom" and verdict.restart_reason is None and flushes.count == 1
+    assert verdict.oom.requested == 200 * GiB
+    # ... and one whose memory stays held recycles its worker.
+    probe = ScriptedProbe(13 * GiB)
+    verdict = verdict_for(
+        probe, start, SETTINGS, 1, Flushes(), lambda s: None, probe.allocator_bytes, oom=oom
+    )
+    assert verdict.status == "oom" and verdict.restart_reason.startswith("oom: 12.00 GiB still held")
+
+
+def test_a_failed_task_is_judged_after_its_frames_let_go(tmp_path):
+    """A task that fails while its locals hold device memory is not a leak: the guard
+    clears the traceback's frames before judging."""
+    from prefect_gpu_dask import guard as guard_module
+    from tests.scripted_probe import FakeBlock, FakeDeviceProbe
+
+    class Worker:
+        address = name = "tcp://127.0.0.1:1"
+        events: list = []
+
+        def log_event(self, topic, msg):
+            self.events.append(msg)
+
+    import asyncio
+
+    guard = guard_module.GPUMemoryGuard(RunnerSettings(memory_probe=FakeDeviceProbe))
+    asyncio.run(guard.setup(Worker()))
+
+    def failing_task():
+        held = FakeBlock(2 * GiB)  # noqa: F841 - alive in this frame until it is cleared
+        raise ValueError("bad row")
+
+    verdicts = []
+    original = guard_module.current_guard
+    guard_module.current_guard = lambda: guard
+    guard_module._log_record = lambda record: verdicts.append(record.verdict)
+    guard.report = lambda record: None
+    try:
+        with pytest.raises(ValueError, match="bad row"), guard_module.guarding():
+            failing_task()
+    finally:
+        guard_module.current_guard = original
+    assert verdicts == ["clean"]
