@@ -15,8 +15,9 @@ from dask.utils import format_bytes as _format_bytes
 
 CLEAN, CACHED, LIBRARY, LEAK, OOM = "clean", "cached", "library", "leak", "oom"
 VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
-# The Dask worker-event topic TaskRecords travel on, worker -> flow.
+# The Dask worker-event topics records travel on, worker -> flow.
 RECORD_TOPIC = "prefect-gpu-dask-memory"
+HUNG_TOPIC = "prefect-gpu-dask-hung"
 
 
 def format_bytes(n: int) -> str:
@@ -69,6 +70,28 @@ class TaskRecord:
     def growth(self) -> int:
         """What the task itself added at its peak."""
         return max(0, self.peak - self.before)
+
+
+@dataclass(frozen=True)
+class HungTask:
+    """A task run still running past its ``timeout_seconds``, seen by its worker's watchdog."""
+
+    task_run_id: str
+    task_run_name: str
+    flow_run_id: str | None
+    key: str  # the Dask key of the task run
+    worker: str
+    worker_name: str
+    pid: int
+    timeout_s: float
+    running_s: float
+
+    def to_event(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> HungTask:
+        return cls(**{f.name: event[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)

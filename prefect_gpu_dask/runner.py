@@ -12,7 +12,10 @@ run to a worker (``submission``), the per-task GPU memory guard on the workers
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import threading
+import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -26,14 +29,15 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import cluster as clusters
 from prefect_gpu_dask import reporting
+from prefect_gpu_dask.deadline import deadline
 from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
-from prefect_gpu_dask.records import LEAK, RECORD_TOPIC, RestartRecord, TaskRecord
+from prefect_gpu_dask.records import HUNG_TOPIC, LEAK, RECORD_TOPIC, HungTask, RestartRecord, TaskRecord
 from prefect_gpu_dask.recycling.flow import Recycler, resolved
 from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
 from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
 from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, RestartPolicy, RunnerSettings
 from prefect_gpu_dask.submission import TaskSubmitter
-from prefect_gpu_dask.taskwrap import with_around
+from prefect_gpu_dask.taskwrap import stacked, with_around
 
 # How long a scheduler keeps a task nobody can run before failing it ("error" mode).
 NO_WORKERS_TIMEOUT = "10s"
@@ -171,11 +175,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client_kwargs=client_kwargs,
             performance_report_path=performance_report_path,
         )
-        self._guarded_tasks: dict[tuple[int, str], tuple[Any, Any]] = {}
+        self._clones: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._offers: WorkerOffers | None = None
         self._recycler: Recycler | None = None
         self._guard_on = False
         self._flow_run_id: str | None = None
+        self._flow_context: contextvars.Context | None = None
         self._submitter = TaskSubmitter()
 
     # -- settings round-trip ------------------------------------------------------
@@ -240,7 +245,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 logger=self.logger,
                 on_restart=reporting.emit_restart_event,
             )
+            self._flow_context = contextvars.copy_context()
             self._watch_worker_deaths(client)
+            client.subscribe_topic(HUNG_TOPIC, self._on_hung)
             self._connect_guard(client)
         return self._client
 
@@ -321,20 +328,23 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return future
 
     def _task_for(self, task: Any, route: Route) -> Any:
-        """The task as it is submitted: announcing a fallback, guarded, or as it is."""
+        """The task as it is submitted: with what runs around it on the worker (a
+        fallback notice, the guard, the deadline watchdog), or as it is."""
+        arounds: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
         if route.fallback is not None:
-            return self._clone(task, route.message, _falling_back(route.message, route.fallback == "error"))
-        if self._guard_on and (self.settings.guard == "all" or route.gpu):
-            return self._clone(task, "guard", guarding)
-        return task
-
-    def _clone(self, task: Any, kind: str, around: Callable[[], AbstractContextManager[Any]]) -> Any:
-        """One clone per task object and purpose: Prefect's engine and the submitter's
-        pickle cache key on the task object."""
-        key = (id(task), kind)
-        cached = self._guarded_tasks.get(key)
+            arounds[route.message] = _falling_back(route.message, route.fallback == "error")
+        elif self._guard_on and (self.settings.guard == "all" or route.gpu):
+            arounds["guard"] = guarding
+        if task.timeout_seconds:
+            arounds["deadline"] = deadline
+        if not arounds:
+            return task
+        key = (id(task), " + ".join(arounds))
+        cached = self._clones.get(key)
         if cached is None or cached[0] is not task:
-            cached = self._guarded_tasks[key] = (task, with_around(task, around))
+            # One clone per task object and purpose: Prefect's engine and the submitter's
+            # pickle cache key on the task object.
+            cached = self._clones[key] = (task, with_around(task, stacked(*arounds.values())))
         return cached[1]
 
     def _optimize_futures(self, expr: Any) -> Any:
@@ -355,6 +365,44 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             reporting.emit_leak_event(record)
         if record.restart_reason:
             self._recycler.request(record.worker, record.restart_reason, record)
+
+    def _on_hung(self, event: tuple[float, dict[str, Any]]) -> None:
+        hung = HungTask.from_event(event[1])
+        if self._flow_run_id and hung.flow_run_id not in (None, self._flow_run_id):
+            return
+        # Off Dask's event loop: marking the task run is a call to the Prefect API.
+        threading.Thread(
+            target=self._flow_context.run, args=(self._time_out, hung), name="gpu-timeout", daemon=True
+        ).start()
+
+    def _time_out(self, hung: HungTask) -> None:
+        """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.
+
+        The run will not run again: its worker's death sends it back to the scheduler,
+        and the next worker finds the task run already final and returns that state.
+        """
+        from prefect.client.orchestration import get_client
+        from prefect.states import Failed
+
+        message = (
+            f"Task run exceeded timeout of {hung.timeout_s:g} second(s) and was still running "
+            f"{hung.running_s:g} s after its start, blocked outside Python on worker {hung.worker}; "
+            "the worker is recycled"
+        )
+        self.logger.error("Task run %r: %s", hung.task_run_name, message)
+        try:
+            with get_client(sync_client=True) as api:
+                api.set_task_run_state(
+                    uuid.UUID(hung.task_run_id), Failed(name="TimedOut", message=message), force=True
+                )
+        except Exception:
+            self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
+        self._recycler.request(
+            hung.worker,
+            f"hung: {hung.task_run_name} past its {hung.timeout_s:g} s timeout",
+            stuck=(hung.key,),
+            worker_name=hung.worker_name,
+        )
 
     def __enter__(self) -> GPUDaskTaskRunner:
         super().__enter__()

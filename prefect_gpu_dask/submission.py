@@ -198,10 +198,14 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
 def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
-    if (dead := died_on()) is not None:
-        # Crashes at once, naming the dead worker; never retried (that would run it again).
-        task = with_around(task, refusal(dead), retries=0)
     settings, clients = _settings_and_client(context.pop("settings_context"))
+    if (dead := died_on()) is not None:
+        # Its run already ended (the flow timed it out, then recycled the worker): that is
+        # its state. Otherwise it crashes at once, naming the dead worker; never retried.
+        final = clients.client.read_task_run(run_kwargs["task_run_id"]).state
+        if final is not None and final.is_final():
+            return final
+        task = with_around(task, refusal(dead), retries=0)
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.
     settings_reset = _SETTINGS.set(settings)

@@ -11,10 +11,11 @@ at the user's function for task keys and ``task_input_hash`` cache keys.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -42,6 +43,21 @@ def around_fn(fn: Callable[..., Any], around: Around) -> Callable[..., Any]:
         wrapper = run
     wrapper.__prefect_task_source__ = getattr(fn, "__prefect_task_source__", fn)  # type: ignore[attr-defined]
     return wrapper
+
+
+def stacked(*arounds: Around) -> Around:
+    """One ``around`` that enters each of ``arounds`` in order (the first outermost)."""
+    if len(arounds) == 1:
+        return arounds[0]
+
+    @contextlib.contextmanager
+    def enter_all() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for around in arounds:
+                stack.enter_context(around())
+            yield
+
+    return enter_all
 
 
 def with_around(task: T, around: Around, **attributes: Any) -> T:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import queue
 import threading
@@ -36,6 +37,9 @@ POLL_S = 0.05
 RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run
 HOLD_S = 30.0  # the longest "cluster" blocks submissions before letting some through
 GIVE_UP_S = 3600.0
+# A worker holding a hung thread cannot close gracefully: its nanny waits most of this
+# for it, then kills the process.
+STUCK_RESTART_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class _Request:
     worker: str
     reason: str
     record: TaskRecord | None
+    stuck: tuple[str, ...] = ()  # keys of hung tasks that die with the worker
+    worker_name: str | None = None
 
 
 class Recycler:
@@ -74,6 +80,9 @@ class Recycler:
         self._pending: set[str] = set()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        # Built in the flow's thread: its context (Prefect settings, the API) is the one
+        # the background thread must run in; requests come from Dask's event loop.
+        self._context = contextvars.copy_context()
 
     # -- what the runner uses -----------------------------------------------------
     @property
@@ -90,20 +99,27 @@ class Recycler:
     def track(self, key: str, future: Any) -> None:
         self._futures[key] = future
 
-    def request(self, worker: str, reason: str, record: TaskRecord | None = None) -> None:
+    def request(
+        self,
+        worker: str,
+        reason: str,
+        record: TaskRecord | None = None,
+        stuck: tuple[str, ...] = (),
+        worker_name: str | None = None,
+    ) -> None:
         """Restart ``worker`` at its next safe point. Never blocks (called from the
-        Dask client's event loop)."""
+        Dask client's event loop). ``stuck``: keys of tasks hung on it, which need not
+        finish first and are not run again."""
         if self.policy == "never" or worker in self._pending or self._closing.is_set():
             return
         self._pending.add(worker)
         if self._thread is None:
-            # Run in the flow's context: events must reach the flow's API.
-            context = contextvars.copy_context()
             self._thread = threading.Thread(
-                target=context.run, args=(self._run,), name="gpu-recycler", daemon=True
+                target=self._context.run, args=(self._run,), name="gpu-recycler", daemon=True
             )
             self._thread.start()
-        self._requests.put(_Request(worker, reason, record))
+        name = record.worker_name if record is not None else worker_name
+        self._requests.put(_Request(worker, reason, record, tuple(stuck), name))
 
     def close(self, wait: bool) -> None:
         """Finish pending requests (``wait``), or drop them with one INFO line."""
@@ -146,7 +162,10 @@ class Recycler:
             return
         targets = list(self._workers()) if self.policy == "cluster" else [request.worker]
         self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), request.reason)
-        attempt = self._try_cluster if self.policy == "cluster" else self._try_workers
+        if self.policy == "cluster":
+            attempt = self._try_cluster
+        else:
+            attempt = functools.partial(self._try_workers, stuck=request.stuck)
         deadline = time.monotonic() + GIVE_UP_S
         self.client.run_on_scheduler(on_scheduler.suspend_no_workers_timeout)
         try:
@@ -177,21 +196,23 @@ class Recycler:
         )
         self.on_restart(record)
 
-    def _try_workers(self, targets: list[str]) -> dict[str, Any]:
+    def _try_workers(self, targets: list[str], stuck: tuple[str, ...] = ()) -> dict[str, Any]:
         if not any(address in self._workers() for address in targets):
             return {"status": "gone"}  # died or removed meanwhile: nothing left to recycle
         reports = self.client.run(on_worker.drain, workers=targets, on_error="return")
-        if any(not isinstance(r, dict) or r["running"] for r in reports.values()):
+        if any(not isinstance(r, dict) or r["running"] > len(stuck) for r in reports.values()):
             return {"status": "busy"}
         not_started = {address: r["not_started"] for address, r in reports.items()}
         stimulus = f"prefect-gpu-dask-drain-{time.time()}"
         with self._lock:  # no submission may come to depend on these workers meanwhile
-            handed = self.client.run_on_scheduler(on_scheduler.hand_back_queued, not_started, stimulus)
+            handed = self.client.run_on_scheduler(
+                on_scheduler.hand_back_queued, not_started, stimulus, list(stuck)
+            )
             if handed["status"] != "ok":
                 return {"status": "busy"}
             found = self.client.run_on_scheduler(on_scheduler.blockers, targets, False)
             if not found["reasons"]:
-                return self._restart_now(targets, whole_cluster=False)
+                return self._restart_now(targets, whole_cluster=False, stuck=stuck)
         if found["stuck"]:
             self.client.run(on_worker.resume, workers=targets, on_error="return")
             time.sleep(RESUMED_S)
@@ -209,10 +230,15 @@ class Recycler:
     def _blocked(self, targets: list[str]) -> list[str]:
         return self.client.run_on_scheduler(on_scheduler.blockers, targets, True)["reasons"]
 
-    def _restart_now(self, targets: list[str], whole_cluster: bool) -> dict[str, Any]:
+    def _restart_now(
+        self, targets: list[str], whole_cluster: bool, stuck: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
         self._move_results(self.client.run_on_scheduler(on_scheduler.keys_on, targets))
+        if stuck:
+            self.client.run_on_scheduler(on_scheduler.mark_interrupted, list(stuck), targets[0])
+        timeout = STUCK_RESTART_S if stuck else self.timeout
         return self.client.run_on_scheduler(
-            on_scheduler.restart_if_safe, targets, self.timeout, whole_cluster
+            on_scheduler.restart_if_safe, targets, timeout, whole_cluster, list(stuck)
         )
 
     # -- results ------------------------------------------------------------------
@@ -235,7 +261,7 @@ class Recycler:
         """Find the replacement worker and read its GPU memory (its guard waited for release)."""
         source = request.record
         replacement: dict[str, Any] = {}
-        name = source.worker_name if source is not None else None
+        name = request.worker_name
         states = self.client.run(on_worker.replacement_state, self.guard_name, on_error="return")
         for address, state in states.items():
             if isinstance(state, dict) and name is not None and state["name"] == name:

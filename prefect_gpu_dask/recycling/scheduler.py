@@ -64,23 +64,25 @@ def blockers(addresses: list[str], whole_cluster: bool, dask_scheduler: Any = No
 
 
 def hand_back_queued(
-    not_started: dict[str, list[Any]], stimulus: str, dask_scheduler: Any = None
+    not_started: dict[str, list[Any]], stimulus: str, stuck: list[str] = (), dask_scheduler: Any = None
 ) -> dict[str, Any]:
     """Send what drained workers hold but never started back to the scheduler.
 
     ``not_started``: per worker, the tasks it reported waiting (``worker.drain``). A task
     the scheduler still counts as processing there but that is not on that list has
     finished (its message is on the way) or is running: then nothing is moved yet.
+    ``stuck``: tasks hung past their deadline, which stay where they are.
     """
     for address, keys in not_started.items():
         ws = dask_scheduler.workers.get(address)
         if ws is None:
             continue
-        waiting = set(keys)
-        if any(ts.key not in waiting for ts in ws.processing):
+        waiting, left = set(keys), set(stuck)
+        if any(ts.key not in waiting and ts.key not in left for ts in ws.processing):
             return {"status": "busy", "blockers": [f"{address} has tasks in flight"]}
         for ts in list(ws.processing):
-            _compat.reschedule(dask_scheduler, ts.key, address, stimulus)
+            if ts.key not in left:
+                _compat.reschedule(dask_scheduler, ts.key, address, stimulus)
     return {"status": "ok"}
 
 
@@ -105,12 +107,21 @@ def keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
 
 
 async def restart_if_safe(
-    addresses: list[str], timeout: float, whole_cluster: bool, dask_scheduler: Any = None
+    addresses: list[str],
+    timeout: float,
+    whole_cluster: bool,
+    stuck: list[str] = (),
+    dask_scheduler: Any = None,
 ) -> dict[str, Any]:
+    """Restart ``addresses`` now if nothing would be lost; ``stuck``: hung tasks that
+    may still run there (they die with the process, and are not run again)."""
     if (found := blockers(addresses, whole_cluster, dask_scheduler))["reasons"]:
         return {"status": "busy", "blockers": found["reasons"]}
     addresses = [a for a in addresses if a in dask_scheduler.workers]
-    if not whole_cluster and any(dask_scheduler.workers[a].processing for a in addresses):
+    left = set(stuck)
+    if not whole_cluster and any(
+        ts.key not in left for a in addresses for ts in dask_scheduler.workers[a].processing
+    ):
         return {"status": "busy", "blockers": ["a task was assigned meanwhile"]}
     stimulus = f"prefect-gpu-dask-restart-{time.time()}"
     for address in addresses:
@@ -124,6 +135,15 @@ async def restart_if_safe(
         addresses, timeout=timeout, stimulus_id=stimulus, on_error="return"
     )
     return {"status": "restarted", "result": {k: str(v) for k, v in result.items()}}
+
+
+def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -> None:
+    """Mark tasks that die with ``worker`` as ``InterruptedTasks`` would, however the
+    worker leaves: a hung task must not run again on the next worker."""
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None:
+            ts.annotations = {**(ts.annotations or {}), INTERRUPTED: worker}
 
 
 class InterruptedTasks(SchedulerPlugin):

@@ -421,6 +421,50 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
     assert pid == restart.new_pid, (pid, restart)
 
 
+@task(timeout_seconds=2)
+def blocked_in_c(ledger: str) -> str:
+    with open(ledger, "a") as fh:
+        fh.write(f"{os.getpid()} {time.time()}\n")
+    time.sleep(40)  # outside Python bytecode: Prefect's own timeout lands only after it
+    return "finished"
+
+
+@task
+def after_the_hang(i: int) -> int:
+    return os.getpid()
+
+
+def test_a_task_stuck_past_its_timeout_ends_timed_out_once_and_its_worker_is_recycled(
+    procs: DaskProcesses, tmp_path
+):
+    procs.start_scheduler()
+    procs.start_worker("worker", "--nthreads", "2")
+    procs.wait_for_workers(1)
+    ledger = tmp_path / "ledger"
+    with Client(procs.address) as client:
+        [old_pid] = client.run(os.getpid).values()
+
+    @flow(task_runner=GPUDaskTaskRunner(address=procs.address))
+    def nightly():
+        stuck = blocked_in_c.submit(str(ledger))
+        stuck.wait(timeout=60)
+        settled_at = time.time()
+        later = [after_the_hang.submit(i).result() for i in range(2)]
+        return stuck.state, stuck.task_run_id, settled_at, later
+
+    state, task_run_id, settled_at, later = nightly()
+    assert state.name == "TimedOut" and state.is_failed(), state
+    assert "exceeded timeout of 2 second(s)" in state.message
+    pid, started_at = wait_for_file(ledger).split()
+    past_deadline_s = settled_at - (float(started_at) + 2)
+    assert past_deadline_s <= 10, f"the flow saw the timeout {past_deadline_s:.1f} s after the deadline"
+    with get_client(sync_client=True) as api:
+        recorded = api.read_task_run(task_run_id).state
+    assert recorded.name == "TimedOut", recorded
+    assert len(ledger.read_text().splitlines()) == 1 and pid == str(old_pid), "the stuck task ran again"
+    assert old_pid not in later, "the worker holding the stuck thread was not recycled"
+
+
 # -- 4. load ------------------------------------------------------------------------
 
 
