@@ -299,3 +299,36 @@ def test_library_first_use_is_never_a_leak():
     [restart] = restarts
     assert restart.reason.startswith("leak")
     assert sum(name.startswith("svd_of_tall_skinny") for name in verdicts) == 10
+
+
+@task(tags=["gpu"], timeout_seconds=3)
+def hung_kernel() -> None:
+    import cupy
+
+    spin = cupy.RawKernel(
+        r'extern "C" __global__ void spin(volatile int* flag) { while (*flag == 0) { } }', "spin"
+    )
+    flag = cupy.zeros(1, dtype=cupy.int32)
+    spin((1,), (1,), (flag,))  # nobody ever sets the flag
+    cupy.cuda.Device().synchronize()  # blocks in the driver, outside Python
+
+
+def test_a_hung_kernel_times_out_and_its_worker_is_recycled():
+    @flow(task_runner=GPUDaskTaskRunner())
+    def hangs():
+        started = time.monotonic()
+        stuck = hung_kernel.submit()
+        stuck.wait(timeout=120)
+        settled_s = time.monotonic() - started
+        reports = [device_report.submit().result() for _ in range(4)]
+        runner = FlowRunContext.get().task_runner
+        return stuck.state, settled_s, reports, runner.restarts
+
+    state, settled_s, reports, restarts = hangs()
+    print("hung kernel:", state.name, repr(state.message), f"settled after {settled_s:.1f} s")
+    print("restarts:", [(r.worker_name, r.reason, r.restart_s, r.serving_s) for r in restarts])
+    assert state.name == "TimedOut", state
+    assert settled_s < 3 + 20
+    assert all(report["sum"] == 285 for report in reports)
+    [restart] = restarts
+    assert restart.reason.startswith("hung: hung_kernel")
