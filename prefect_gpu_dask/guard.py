@@ -244,7 +244,10 @@ class GPUMemoryGuard(WorkerPlugin):
 
 
 def _thread_ids() -> frozenset[int]:
-    return frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
+    """Threads that may run task code: pools' threads (Dask's and the threads scheduler's
+    are not daemons), not the daemon threads of services (Prefect's log and event
+    workers, this guard's sampler), which start when they please."""
+    return frozenset(t.ident for t in threading.enumerate() if t.ident is not None and not t.daemon)
 
 
 def current_guard() -> GPUMemoryGuard | None:
