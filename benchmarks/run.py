@@ -206,6 +206,12 @@ def bench_guard(samples: int) -> dict[str, Any]:
         def log_event(self, topic, msg):
             pass
 
+    try:  # a GPU task's worker has CuPy loaded: the guard then reads its pool too
+        import cupy
+
+        cupy.zeros(1)
+    except ImportError:
+        pass
     guard = GPUMemoryGuard()
     asyncio.run(guard.setup(FakeWorker()))
     if not guard.active:

@@ -151,6 +151,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.worker: Any = None
         self.baseline: MemorySample | None = None
         self.release_wait_s = 0.0
+        self.memory_released_at: float | None = None  # wall clock, once a dead worker's memory was gone
         self.tasks_run = 0
         self._tickets = 0
         self._sampler: PeakSampler | None = None
@@ -181,6 +182,7 @@ class GPUMemoryGuard(WorkerPlugin):
         pids = getattr(self.probe, "process_pids", None)
         if pids is not None:  # a replacement: a dead worker's memory must be gone first
             self.release_wait_s = await wait_for_released_memory(pids)
+            self.memory_released_at = time.time()
         self.baseline = self.probe.sample()
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)

@@ -130,7 +130,7 @@ class NvmlProbe:
 
     def sample_process(self) -> MemorySample:
         """This process's bytes only: one driver call instead of two (the device-wide
-        one is ~a quarter of a reading on an H200). Device figures are 0."""
+        one is a good part of a reading). Device figures are 0."""
         return MemorySample(nvml.process_memory(self._handle, self._pid), 0, 0)
 
     def process_pids(self) -> list[int]:

@@ -115,6 +115,9 @@ class RestartRecord:
     baseline: int | None = None
     restart_s: float = 0.0  # request -> the scheduler's restart returned
     serving_s: float = 0.0  # request -> the replacement was found serving, memory read
+    # request -> the replacement found the old process's GPU memory released: an upper
+    # bound (it looks once it has started), None where no NVML probe could look.
+    memory_free_s: float | None = None
 
     def to_payload(self) -> dict[str, Any]:
         return asdict(self)

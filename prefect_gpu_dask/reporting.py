@@ -124,8 +124,9 @@ def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRe
     ] or ["None."]
     lines += ["", "## Worker restarts", ""]
     lines += [
-        f"- {r.worker} -> {r.new_worker}: {r.reason} (restarted in {r.restart_s:.2f} s, "
-        f"serving after {r.serving_s:.2f} s)"
+        f"- {r.worker} -> {r.new_worker}: {r.reason} ("
+        + ("" if r.memory_free_s is None else f"memory free after {r.memory_free_s:.2f} s, ")
+        + f"replacement serving after {r.serving_s:.2f} s)"
         for r in restarts
     ] or ["None."]
     lines += [

@@ -156,7 +156,7 @@ class Recycler:
         return self.client.scheduler_info(n_workers=-1).get("workers", {})
 
     def _recycle(self, request: _Request) -> None:
-        requested = time.perf_counter()
+        requested, requested_wall = time.perf_counter(), time.time()
         if request.worker not in self._workers():
             self.logger.debug("%s is gone already: not restarting it (%s)", request.worker, request.reason)
             return
@@ -183,14 +183,16 @@ class Recycler:
             if self.client.status == "running":
                 self.client.run_on_scheduler(on_scheduler.restore_no_workers_timeout)
         restart_s = time.perf_counter() - requested
-        record = self._record(request, restart_s, requested)
+        record = self._record(request, restart_s, requested, requested_wall)
         self._restarts.append(record)
+        free_s = record.memory_free_s
+        memory_free = "" if free_s is None else f"memory free after {free_s:.2f} s, "
         self.logger.warning(
-            "Restarted %s (%s) -> %s: restart %.2f s, serving after %.2f s, GPU memory now %s",
+            "Restarted %s (%s) -> %s: %sreplacement serving after %.2f s, GPU memory now %s",
             record.worker,
             record.reason,
             record.new_worker,
-            record.restart_s,
+            memory_free,
             record.serving_s,
             "unknown" if record.memory_after is None else format_bytes(record.memory_after),
         )
@@ -257,7 +259,9 @@ class Recycler:
             _moved.add(future)
             future.wrapped_future.release()
 
-    def _record(self, request: _Request, restart_s: float, requested: float) -> RestartRecord:
+    def _record(
+        self, request: _Request, restart_s: float, requested: float, requested_wall: float
+    ) -> RestartRecord:
         """Find the replacement worker and read its GPU memory (its guard waited for release)."""
         source = request.record
         replacement: dict[str, Any] = {}
@@ -265,11 +269,13 @@ class Recycler:
         states = self.client.run(on_worker.replacement_state, self.guard_name, on_error="return")
         for address, state in states.items():
             if isinstance(state, dict) and name is not None and state["name"] == name:
+                released = state.get("released_at")
                 replacement = {
                     "new_worker": address,
                     "new_pid": state["pid"],
                     "memory_after": state["now"],
                     "baseline": state["baseline"],
+                    "memory_free_s": None if released is None else round(released - requested_wall, 3),
                 }
         return RestartRecord(
             worker=request.worker,

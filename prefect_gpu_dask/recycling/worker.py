@@ -99,6 +99,7 @@ def replacement_state(guard_name: str, dask_worker: Any = None) -> dict[str, Any
         "name": str(dask_worker.name),
         "baseline": baseline.judged if baseline is not None else None,
         "now": probe.sample().judged if probe is not None else None,
+        "released_at": getattr(guard, "memory_released_at", None),
     }
 
 
