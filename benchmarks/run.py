@@ -419,7 +419,7 @@ def write(result: dict[str, Any], out: Path) -> None:
         },
         # On a host with several GPUs runner_s uses them all; this one is comparable with raw_threads_s.
         "speed_cube_runner_1gpu_s": (
-            result["scaling"].get("runner_1gpu_s")
+            result.get("scaling", {}).get("runner_1gpu_s")
             if result.get("scaling", {}).get("n") == cube.get("n")
             else None
         ),
@@ -451,6 +451,8 @@ def write(result: dict[str, Any], out: Path) -> None:
     }
     if result["device"].startswith("CPU only"):
         print("(CPU-only run: summary.json is kept for GPU figures)")
+    elif not {"speed_cube", "per_task", "guard", "leak"} <= result.keys():
+        print("(some sections only: summary.json is kept for the full run's figures)")
     else:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(result)
