@@ -39,16 +39,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def prefect_api() -> Iterator[str]:
-    """One real Prefect API server (SQLite in a temp dir) for the whole session."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield PREFECT_API_URL.value()
-
-
 class DaskProcesses:
     """``dask scheduler`` and ``dask worker`` subprocesses on 127.0.0.1."""
 
