@@ -17,6 +17,14 @@ pipeline is written once, for both.
 
 from __future__ import annotations
 
+import os
+
+# Before Prefect is imported: the embedded API server may need more than Prefect's
+# default 20 s to start on a small, busy machine, and an offline host cannot send
+# the server's telemetry (each failed attempt logs an error).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 import importlib.util
 import os
 import sys

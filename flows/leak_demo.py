@@ -15,6 +15,14 @@ the guard is a no-op, and the flow asserts only that every task still completes.
 from __future__ import annotations
 
 import os
+
+# Before Prefect is imported: the embedded API server may need more than Prefect's
+# default 20 s to start on a small, busy machine, and an offline host cannot send
+# the server's telemetry (each failed attempt logs an error).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+import os
 import sys
 import time
 import types

@@ -1,4 +1,4 @@
-"""The seed benchmark as a nightly flow: ``(x[::2, ::2] + 1).mean()`` of an N(10, 1) Dask array.
+"""The speed-cube benchmark as a nightly flow: ``(x[::2, ::2] + 1).mean()`` of an N(10, 1) Dask array.
 
 On a GPU worker the array is CuPy-backed, 100000 x 100000 float64 (80 GB) in
 10000 x 10000 chunks; on CPU it is 4000 x 4000 in 1000 x 1000 chunks (a few seconds
@@ -14,6 +14,14 @@ that waits for them.
 
 from __future__ import annotations
 
+import os
+
+# Before Prefect is imported: the embedded API server may need more than Prefect's
+# default 20 s to start on a small, busy machine, and an offline host cannot send
+# the server's telemetry (each failed attempt logs an error).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 import math
 import sys
 import time
@@ -26,17 +34,17 @@ from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus, gpu_available
 
 EXPECTED_MEAN = 11.0
 TOLERANCE = 0.01
-GPU_SIZE = (100_000, 10_000)  # n, chunk: the seed's cube
+GPU_SIZE = (100_000, 10_000)  # n, chunk: the benchmark's cube
 CPU_SIZE = (4_000, 1_000)
 
 
 def default_size(gpu: bool) -> tuple[int, int]:
-    """``(n, chunk)``: the full seed size on a GPU, a few seconds' worth on CPU."""
+    """``(n, chunk)``: the full benchmark size on a GPU, a few seconds' worth on CPU."""
     return GPU_SIZE if gpu else CPU_SIZE
 
 
 def speed_cube_expr(n: int, chunk: int, xp_random_state: Any = None, seed: int | None = None) -> da.Array:
-    """The seed's lazy expression: ``(x[::2, ::2] + 1).mean()`` with ``x ~ N(10, 1)``, n x n.
+    """The benchmark's lazy expression: ``(x[::2, ::2] + 1).mean()`` with ``x ~ N(10, 1)``, n x n.
 
     ``xp_random_state`` is the per-chunk generator class: ``cupy.random.RandomState``
     for CuPy chunks, ``None`` for NumPy's (the dask default).

@@ -1,6 +1,6 @@
 """SVD of a tall-skinny Dask array, CuPy-backed on a GPU, checked by reconstruction.
 
-The seed's case: 10000 x 1000 in 1000 x 1000 chunks, ``da.linalg.svd`` (a TSQR over
+The standard case: 10000 x 1000 in 1000 x 1000 chunks, ``da.linalg.svd`` (a TSQR over
 the row blocks). On a GPU worker the array is created under
 ``dask.config.set({"array.backend": "cupy"})``, so every chunk and every block QR/SVD
 is CuPy's. On CPU the default is 5000 x 500 in 1000 x 500 chunks.
@@ -17,6 +17,14 @@ NumPy's singular values of the same matrix.
 
 from __future__ import annotations
 
+import os
+
+# Before Prefect is imported: the embedded API server may need more than Prefect's
+# default 20 s to start on a small, busy machine, and an offline host cannot send
+# the server's telemetry (each failed attempt logs an error).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 import sys
 import time
 from contextlib import nullcontext
@@ -29,7 +37,7 @@ from prefect import flow, get_run_logger, task
 
 from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus, gpu_available
 
-GPU_SIZE = (10_000, 1_000, 1_000)  # rows, cols, row chunk: the seed's SVD
+GPU_SIZE = (10_000, 1_000, 1_000)  # rows, cols, row chunk: the standard SVD
 CPU_SIZE = (5_000, 500, 1_000)
 # float64: a backward-stable SVD reconstructs to ~1e-15; allow for sqrt(n) growth.
 TOLERANCE = 1e-10
@@ -37,7 +45,7 @@ REFERENCE_MAX_ELEMENTS = 10_000_000  # compare s with numpy.linalg.svd up to 80 
 
 
 def default_size(gpu: bool) -> tuple[int, int, int]:
-    """``(rows, cols, row_chunk)``: the seed's size on a GPU, a smaller one on CPU."""
+    """``(rows, cols, row_chunk)``: the standard size on a GPU, a smaller one on CPU."""
     return GPU_SIZE if gpu else CPU_SIZE
 
 

@@ -19,7 +19,7 @@ def gpu_available() -> bool:
 
 
 def array_module() -> ModuleType:
-    """``cupy`` where this worker has a GPU and CuPy, else ``numpy``: the seed's CPU fallback."""
+    """``cupy`` where this worker has a GPU and CuPy, else ``numpy``: the CPU fallback."""
     if gpu_available():
         import cupy
 

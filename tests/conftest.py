@@ -74,10 +74,13 @@ class DaskProcesses:
             log="scheduler.log",
         )
         deadline = time.monotonic() + 60
-        while not scheduler_file.exists() and time.monotonic() < deadline:
+        while True:  # the file may exist before it is written
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                self.address = json.loads(scheduler_file.read_text())["address"]
+                return self.address
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no scheduler address in {scheduler_file} after 60 s")
             time.sleep(0.1)
-        self.address = json.loads(scheduler_file.read_text())["address"]
-        return self.address
 
     def start_worker(self, name: str, *extra: str) -> None:
         self._spawn(
