@@ -9,6 +9,7 @@ clusters bind to loopback only: GPU hosts are a favourite target for crypto-mine
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import ipaddress
 import logging
 from collections.abc import Callable
@@ -82,6 +83,17 @@ def local_cluster_kwargs(
             kwargs.setdefault("host", LOOPBACK)
         kwargs.setdefault("dashboard_address", f"{LOOPBACK}:0")
     return kwargs
+
+
+def adapt(cluster: Any, adapt_kwargs: dict[str, Any]) -> None:
+    """``cluster.adapt(**adapt_kwargs)``, awaited where it is a coroutine (dask-kubernetes'
+    operator ``KubeCluster``), in the cluster's own event loop."""
+    if inspect.iscoroutinefunction(cluster.adapt):
+        cluster.sync(cluster.adapt, **adapt_kwargs)
+        return
+    result = cluster.adapt(**adapt_kwargs)
+    if inspect.isawaitable(result):
+        cluster.sync(lambda: result)
 
 
 def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,17 @@
-"""What the Prefect UI shows: table and markdown artifacts, and events for automations."""
+"""What the Prefect UI shows: table and markdown artifacts, and events for automations.
+
+Each guarded task's record becomes a table artifact on its own task run as soon as the
+flow hears of it (``LivePublisher``), so a flow that runs for hours, or dies, still
+shows what every finished task did to its GPU; the flow-wide table and summary come
+when the flow ends.
+"""
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import queue
+import threading
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -83,16 +93,62 @@ def emit_restart_event(restart: RestartRecord) -> None:
     )
 
 
+BYTE_COLUMNS = ("before", "after", "peak", "delta", "allocator_delta")
+
+
 def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
+    """One row per record: sizes readable (``before``) and as numbers (``before_bytes``)."""
     rows = []
     for record in records:
         values = asdict(record)
         row = {column: values[column] for column in TABLE_COLUMNS}
-        for column in ("before", "after", "peak", "delta", "allocator_delta"):
+        for column in BYTE_COLUMNS:
             row[column] = "n/a" if values[column] is None else format_bytes(values[column])
+        row.update({f"{column}_bytes": values[column] for column in BYTE_COLUMNS})
         row["tags"] = ", ".join(record.tags)
         rows.append(row)
     return rows
+
+
+class LivePublisher:
+    """Publishes each record as a table artifact on its task run, in the background.
+
+    Built in the flow's thread (whose context reaches the flow's API); records arrive
+    on Dask's event loop, which must not wait for the API.
+    """
+
+    def __init__(self, logger: logging.Logger):
+        self.logger = logger
+        self._records: queue.Queue[TaskRecord | None] = queue.Queue()
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="gpu-records", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, record: TaskRecord) -> None:
+        self._records.put(record)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Publish what is queued (up to ``timeout``), then stop."""
+        self._records.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        from prefect.artifacts import TableArtifact
+
+        while (record := self._records.get()) is not None:
+            if record.task_run_id is None:
+                continue
+            try:
+                TableArtifact(
+                    table=table_rows([record]),
+                    description=f"GPU memory of this task run: {record.verdict} (prefect-gpu-dask)",
+                    task_run_id=record.task_run_id,
+                    flow_run_id=record.flow_run_id,
+                ).create()
+            except Exception as exc:  # the flow-end table still has it
+                self.logger.debug("Could not publish the record of %s: %s", record.task_run_name, exc)
 
 
 def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRecord]) -> str:

@@ -181,6 +181,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._guard_on = False
         self._flow_run_id: str | None = None
         self._flow_context: contextvars.Context | None = None
+        self._live: reporting.LivePublisher | None = None
         self._submitter = TaskSubmitter()
 
     # -- settings round-trip ------------------------------------------------------
@@ -236,7 +237,13 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def client(self):  # type: ignore[override]
         if self._client is None:
             self._start_local_cluster()
-            client = DaskTaskRunner.client.fget(self)
+            # prefect-dask calls an existing cluster's adapt() without awaiting it: the
+            # cluster this runner built was made adaptive in _start_local_cluster.
+            adapt_kwargs, self.adapt_kwargs = self.adapt_kwargs, {}
+            try:
+                client = DaskTaskRunner.client.fget(self)
+            finally:
+                self.adapt_kwargs = adapt_kwargs
             self._offers = WorkerOffers.of_client(client)
             self._recycler = Recycler(
                 client,
@@ -275,6 +282,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
         with dask.config.set(config):
             self._cluster = self._exit_stack.enter_context(cluster_class(**kwargs))
+        if self.adapt_kwargs:
+            clusters.adapt(self._cluster, self.adapt_kwargs)
 
     def _watch_worker_deaths(self, client: distributed.Client) -> None:
         try:
@@ -294,6 +303,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self.logger.info("No GPU workers in this cluster: the GPU memory guard is a no-op")
             return
         client.register_plugin(GPUMemoryGuard(self.settings), name=PLUGIN_NAME)
+        self._live = reporting.LivePublisher(self.logger)
         client.subscribe_topic(RECORD_TOPIC, self._on_record)
         self._guard_on = True
 
@@ -361,6 +371,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         record = TaskRecord.from_event(event[1])
         if self._flow_run_id and record.flow_run_id not in (None, self._flow_run_id):
             return
+        if self._live is not None:
+            self._live.publish(record)
         if record.verdict == LEAK:
             reporting.emit_leak_event(record)
         if record.restart_reason:
@@ -441,6 +453,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             if self._recycler is not None:
                 # A remote cluster outlives the flow: finish its restarts. A local one is closing.
                 self._recycler.close(wait=connected and (self._cluster is None or bool(self.address)))
+            if self._live is not None:
+                self._live.close()
             if self._guard_on and self._flow_run_id and connected:
                 records, restarts = self.records, self.restarts
                 if records or restarts:

@@ -6,6 +6,7 @@ The workers are real processes under real nannies; only the memory figure is scr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -352,3 +353,31 @@ def test_a_recycle_cut_short_by_the_flow_ending_is_one_info_line(tmp_path):
     assert errors == [], [r.getMessage() for r in errors]
     skipped = [r for r in handler.records if "Not recycling" in r.getMessage()]
     assert len(skipped) <= 1 and all(r.levelno == logging.INFO for r in skipped)
+
+
+def test_each_record_reaches_the_ui_while_the_flow_still_runs(dask_processes, tmp_path):
+    from prefect.client.schemas.filters import ArtifactFilterTaskRunId
+
+    address = start_guarded_cluster(dask_processes)
+    ledger = str(tmp_path / "ledger")
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
+    def long_night():
+        leaked = leaky.submit(ledger, 512 * MiB)
+        leaked.result()
+        task_run_id = leaked.task_run_id
+        deadline = time.monotonic() + 30
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:  # the flow is still running meanwhile
+                found = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id]))
+                )
+                if found:
+                    return found
+                time.sleep(0.2)
+        return []
+
+    [artifact] = long_night()
+    assert artifact.type == "table"
+    [row] = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    assert row["verdict"] == "leak" and row["delta_bytes"] == 512 * MiB and row["delta"] == "512.00 MiB"

@@ -292,3 +292,26 @@ def test_gpu_task_computing_a_collection_cannot_deadlock(dask_processes, workers
     mean, seen = cube()
     assert abs(mean - 11) < 0.01
     assert seen == workers
+
+
+@task
+def on_which_worker() -> str:
+    return str(distributed.get_worker().name)
+
+
+def test_a_cluster_class_with_an_async_adapt_scales_up_from_zero():
+    runner = GPUDaskTaskRunner(
+        cluster_class="tests.cluster_classes.AsyncAdaptCluster",
+        cluster_kwargs={"n_workers": 0, "threads_per_worker": 1},
+        adapt_kwargs={"minimum": 0, "maximum": 1},
+    )
+
+    @flow(task_runner=runner)
+    def adaptive():
+        from prefect.context import get_run_context
+
+        cluster = get_run_context().task_runner._cluster
+        return on_which_worker.submit().result(timeout=120), cluster.adapted_with
+
+    worker, adapted_with = adaptive()
+    assert worker and adapted_with == {"minimum": 0, "maximum": 1}

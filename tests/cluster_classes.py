@@ -1,0 +1,18 @@
+"""Cluster classes for tests, importable by name as a ``cluster_class`` string."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import LocalCluster
+
+
+class AsyncAdaptCluster(LocalCluster):
+    """A ``LocalCluster`` whose ``adapt`` is a coroutine, as dask-kubernetes' operator
+    ``KubeCluster``'s is."""
+
+    adapted_with: dict[str, Any] | None = None
+
+    async def adapt(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.adapted_with = kwargs
+        return super().adapt(**kwargs)
