@@ -310,8 +310,8 @@ def test_a_cluster_class_with_an_async_adapt_scales_up_from_zero():
     def adaptive():
         from prefect.context import get_run_context
 
-        cluster = get_run_context().task_runner._cluster
-        return on_which_worker.submit().result(timeout=120), cluster.adapted_with
+        worker = on_which_worker.submit().result(timeout=120)
+        return worker, get_run_context().task_runner._cluster.adapted_with
 
     worker, adapted_with = adaptive()
     assert worker and adapted_with == {"minimum": 0, "maximum": 1}
