@@ -38,6 +38,7 @@ from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
 from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, RestartPolicy, RunnerSettings
 from prefect_gpu_dask.submission import TaskSubmitter
 from prefect_gpu_dask.taskwrap import stacked, with_around
+from prefect_gpu_dask.verdict import oom_retry_condition
 
 # How long a scheduler keeps a task nobody can run before failing it ("error" mode).
 NO_WORKERS_TIMEOUT = "10s"
@@ -86,6 +87,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         restart_after_tasks: recycle a GPU worker after this many guarded tasks.
         memory_probe: a callable returning a ``MemoryProbe`` (or its import path
             ``"package.module:factory"``) for the guard to read instead of NVML.
+        oom_retries: retries for ``gpu`` task runs that fail on CUDA out-of-memory,
+            on top of the task's own ``retries``.
 
     After a flow run, ``runner.records`` holds its ``TaskRecord``s and
     ``runner.restarts`` the ``RestartRecord``s of the workers it recycled.
@@ -140,6 +143,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         restart: RestartPolicy = "worker",
         restart_after_tasks: int | None = None,
         memory_probe: str | Callable[[], Any] | None = None,
+        oom_retries: int = 0,
     ):
         self.settings = RunnerSettings(
             tag_resources=tag_resources if tag_resources is not None else {},
@@ -150,6 +154,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             restart=restart,
             restart_after_tasks=restart_after_tasks,
             memory_probe=memory_probe,
+            oom_retries=oom_retries,
         )
         if security is not None and not isinstance(security, distributed.Security):
             raise ValueError(f"security={security!r} is not a distributed.Security")
@@ -347,14 +352,23 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             arounds["guard"] = guarding
         if task.timeout_seconds:
             arounds["deadline"] = deadline
-        if not arounds:
+        attributes: dict[str, Any] = {}
+        if route.gpu and self.settings.oom_retries:
+            attributes = {
+                "retries": task.retries + self.settings.oom_retries,
+                "retry_condition_fn": oom_retry_condition(
+                    self.settings.oom_retries, task.retries, task.retry_condition_fn
+                ),
+            }
+        if not arounds and not attributes:
             return task
-        key = (id(task), " + ".join(arounds))
+        key = (id(task), " + ".join([*arounds, *attributes]))
         cached = self._clones.get(key)
         if cached is None or cached[0] is not task:
             # One clone per task object and purpose: Prefect's engine and the submitter's
             # pickle cache key on the task object.
-            cached = self._clones[key] = (task, with_around(task, stacked(*arounds.values())))
+            clone = with_around(task, stacked(*arounds.values()), **attributes)
+            cached = self._clones[key] = (task, clone)
         return cached[1]
 
     def _optimize_futures(self, expr: Any) -> Any:

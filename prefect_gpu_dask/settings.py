@@ -82,6 +82,8 @@ class RunnerSettings:
         memory_probe: what the guard reads memory through instead of NVML: a callable
             returning a ``MemoryProbe`` (or None for "no GPU here"), or its import path
             ``"package.module:factory"``, resolved on each worker.
+        oom_retries: retries a ``gpu`` task run gets for CUDA out-of-memory errors, on
+            top of its own ``retries`` (which keep counting its other failures).
         settle_s: how long the guard lets the driver settle before confirming a leak.
     """
 
@@ -93,6 +95,7 @@ class RunnerSettings:
     restart: RestartPolicy = "worker"
     restart_after_tasks: int | None = None
     memory_probe: str | ProbeFactory | None = None
+    oom_retries: int = 0
     settle_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -113,6 +116,9 @@ class RunnerSettings:
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(f"restart_after_tasks {count!r} must be a whole number >= 1 or None")
         _check_probe(self.memory_probe)
+        count = self.oom_retries
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"oom_retries {count!r} must be a whole number >= 0")
         settle = self.settle_s
         if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
             raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")

@@ -47,6 +47,8 @@ def around_fn(fn: Callable[..., Any], around: Around) -> Callable[..., Any]:
 
 def stacked(*arounds: Around) -> Around:
     """One ``around`` that enters each of ``arounds`` in order (the first outermost)."""
+    if not arounds:
+        return contextlib.nullcontext
     if len(arounds) == 1:
         return arounds[0]
 

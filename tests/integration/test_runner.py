@@ -227,6 +227,7 @@ ARGUMENTS = dict(
     restart="cluster",
     restart_after_tasks=10,
     allow_insecure=False,
+    oom_retries=2,
 )
 
 
@@ -315,3 +316,42 @@ def test_a_cluster_class_with_an_async_adapt_scales_up_from_zero():
 
     worker, adapted_with = adaptive()
     assert worker and adapted_with == {"minimum": 0, "maximum": 1}
+
+
+@task(tags=["gpu"])
+def ooms_once(ledger: str) -> int:
+    with open(ledger, "a") as fh:
+        fh.write("attempt\n")
+    attempts = len(open(ledger).read().splitlines())
+    if attempts == 1:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")  # as torch says it
+    return attempts
+
+
+@task(tags=["gpu"])
+def fails_otherwise(ledger: str) -> int:
+    with open(ledger, "a") as fh:
+        fh.write("attempt\n")
+    raise ValueError("a bad row")
+
+
+def test_oom_retries_retry_only_out_of_memory_as_the_task_runs_own_retries(remote_cluster, tmp_path):
+    oom_ledger, other_ledger = tmp_path / "oom", tmp_path / "other"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, oom_retries=1))
+    def retried():
+        oom = ooms_once.submit(str(oom_ledger))
+        other = fails_otherwise.submit(str(other_ledger))
+        other.wait()
+        return oom.result(), oom.task_run_id, other.state
+
+    attempts, task_run_id, other = retried()
+    assert attempts == 2  # one retry, on the same task run
+    assert other.is_failed() and len(other_ledger.read_text().splitlines()) == 1  # no retries of its own
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as api:
+        run = api.read_task_run(task_run_id)
+        names = [s.name for s in api.read_task_run_states(task_run_id)]
+    assert run.run_count == 2 and run.state.is_completed(), (run.run_count, names)
+    assert "Retrying" in names or "AwaitingRetry" in names, names

@@ -105,6 +105,9 @@ def test_restart_after_tasks():
         ({"restart_after_tasks": 0}, "0"),
         ({"restart_after_tasks": 2.5}, "2.5"),
         ({"restart": "sometimes"}, "'sometimes'"),
+        ({"oom_retries": -1}, "-1"),
+        ({"oom_retries": 1.5}, "1.5"),
+        ({"memory_probe": "no-colon"}, "'no-colon'"),
     ],
 )
 def test_bad_settings_name_the_value(kwargs, bad):
