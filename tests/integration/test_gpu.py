@@ -332,3 +332,22 @@ def test_a_hung_kernel_times_out_and_its_worker_is_recycled():
     assert all(report["sum"] == 285 for report in reports)
     [restart] = restarts
     assert restart.reason.startswith("hung: hung_kernel")
+
+
+def test_an_oom_is_retried_as_the_task_runs_own_retry():
+    @flow(task_runner=GPUDaskTaskRunner(oom_retries=1))
+    def retried():
+        filled = fill_until_oom.submit(8 * GiB)  # runs out of memory every time
+        filled.wait()
+        return filled.state, filled.task_run_id, FlowRunContext.get().task_runner.records
+
+    state, task_run_id, records = retried()
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as api:
+        run = api.read_task_run(task_run_id)
+        names = [s.name for s in api.read_task_run_states(task_run_id)]
+    verdicts = [r.verdict for r in records if r.task_run_id == str(task_run_id)]
+    print("oom retry:", state.name, "run_count", run.run_count, "states", names, "verdicts", verdicts)
+    assert state.is_failed() and run.run_count == 2 and ("Retrying" in names or "AwaitingRetry" in names)
+    assert verdicts == ["oom", "oom"]
