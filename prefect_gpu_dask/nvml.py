@@ -52,6 +52,13 @@ def device_uuid(handle: Any) -> str:
     return uuid.decode() if isinstance(uuid, bytes) else uuid
 
 
+def device_name(handle: Any) -> str:
+    import pynvml
+
+    name = pynvml.nvmlDeviceGetName(handle)
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def device_index(handle: Any) -> int:
     import pynvml
 

@@ -79,6 +79,8 @@ def loaded_allocator_bytes() -> AllocatorBytes:
 class GPUIdentity:
     index: int
     uuid: str
+    name: str = ""  # NVML's device name, e.g. "NVIDIA H200"
+    memory_total: int = 0  # bytes (a MIG instance's own size)
 
 
 @runtime_checkable
@@ -122,7 +124,12 @@ class NvmlProbe:
     def __init__(self, handle: Any | None = None, pid: int | None = None):
         self._handle = handle if handle is not None else nvml.worker_device_handle()
         self._pid = pid if pid is not None else os.getpid()
-        self.gpu = GPUIdentity(nvml.device_index(self._handle), nvml.device_uuid(self._handle))
+        self.gpu = GPUIdentity(
+            nvml.device_index(self._handle),
+            nvml.device_uuid(self._handle),
+            nvml.device_name(self._handle),
+            nvml.device_memory(self._handle).total,
+        )
 
     def sample(self) -> MemorySample:
         device = nvml.device_memory(self._handle)

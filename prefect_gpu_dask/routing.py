@@ -19,6 +19,15 @@ from typing import Any, Literal
 
 GPU_RESOURCE = "GPU"
 GPU_TAG = "gpu"
+MODEL_TAG = "gpu-model"
+MEMORY_TAG = "gpu-mem"
+MEMORY_RESOURCE = "GPU-MEM"  # bytes of GPU memory a task asks for; a worker offers its GPU's total
+# Models ``gpu:<model>`` accepts; any other name goes through ``gpu-model:<name>``, so a
+# typo such as ``gpu:0.5x`` still fails instead of asking for a model nobody has.
+KNOWN_MODELS = frozenset(
+    "b200 b100 gb200 h200 h100 h800 gh200 a100 a800 a40 a30 a10 a10g a16 a2 l40s l40 l4 "
+    "v100 t4 p100 p40 p4 k80".split()
+)
 
 Resources = dict[str, float]
 
@@ -41,7 +50,7 @@ def validate_tag_resources(tag_resources: Mapping[str, Mapping[str, float]] | No
     for tag, resources in tag_resources.items():
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"tag_resources: tag {tag!r} must be a non-empty string")
-        if tag == GPU_TAG or tag.startswith(GPU_TAG + ":"):
+        if tag == GPU_TAG or tag.startswith((GPU_TAG + ":", MODEL_TAG + ":", MEMORY_TAG + ":")):
             raise ValueError(f"tag_resources: tag {tag!r} is reserved for GPU routing")
         if not isinstance(resources, Mapping) or not resources:
             raise ValueError(
@@ -56,11 +65,58 @@ def validate_tag_resources(tag_resources: Mapping[str, Mapping[str, float]] | No
     return clean
 
 
+def model_resource(model: str) -> str:
+    """The resource a GPU worker of ``model`` offers: ``"h200"`` -> ``"GPU-H200"``."""
+    return f"{GPU_RESOURCE}-{model.upper()}"
+
+
+def model_slug(device_name: str) -> str:
+    """NVML's device name -> the model tags use: ``"NVIDIA H200"`` -> ``"h200"``,
+    ``"NVIDIA A100-SXM4-80GB"`` -> ``"a100"``, ``"NVIDIA GeForce RTX 4090"`` -> ``"rtx-4090"``."""
+    words = [
+        w for w in device_name.lower().replace("_", " ").split() if w not in {"nvidia", "tesla", "geforce"}
+    ]
+    if not words:
+        return "unknown"
+    first = words[0].split("-")[0]
+    if first in {"rtx", "gtx", "titan", "quadro"} and len(words) > 1:
+        return f"{first}-{words[1].split('-')[0]}"
+    return first
+
+
+def _model_of(tag: str) -> str | None:
+    if tag.startswith(MODEL_TAG + ":"):
+        model = tag[len(MODEL_TAG) + 1 :].strip().lower()
+        if not model or not all(c.isalnum() or c == "-" for c in model):
+            raise ValueError(f"malformed GPU model tag {tag!r}: use e.g. 'gpu-model:h200'")
+        return model
+    if tag.startswith(GPU_TAG + ":") and tag[len(GPU_TAG) + 1 :].lower() in KNOWN_MODELS:
+        return tag[len(GPU_TAG) + 1 :].lower()
+    return None
+
+
+def _memory_of(tag: str) -> float | None:
+    from dask.utils import parse_bytes
+
+    if not tag.startswith(MEMORY_TAG + ":"):
+        return None
+    text = tag[len(MEMORY_TAG) + 1 :]
+    try:
+        amount = float(parse_bytes(text))
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"malformed GPU memory tag {tag!r}: {text!r} is not a size (e.g. 'gpu-mem:40GiB')"
+        ) from None
+    if amount <= 0:
+        raise ValueError(f"malformed GPU memory tag {tag!r}: the size must be positive")
+    return amount
+
+
 def parse_gpu_tag(tag: str) -> float | None:
     """``"gpu"`` -> 1.0, ``"gpu:0.5"`` -> 0.5, other tags -> None; malformed -> ValueError."""
     if tag == GPU_TAG:
         return 1.0
-    if not tag.startswith(GPU_TAG + ":"):
+    if not tag.startswith(GPU_TAG + ":") or _model_of(tag) is not None:
         return None
     text = tag[len(GPU_TAG) + 1 :]
     try:
@@ -104,12 +160,28 @@ class TagRouter:
 
     def _resources_for(self, tags: frozenset[str]) -> Resources:
         resources: Resources = {}
+        models: set[str] = set()
         for tag in sorted(tags):
             gpu = parse_gpu_tag(tag)
-            wanted = {GPU_RESOURCE: gpu} if gpu is not None else self.tag_resources.get(tag, {})
+            model, memory = _model_of(tag), _memory_of(tag)
+            if model is not None:
+                models.add(model)
+                wanted: Mapping[str, float] = {}
+            elif memory is not None:
+                wanted = {MEMORY_RESOURCE: memory}
+            elif gpu is not None:
+                wanted = {GPU_RESOURCE: gpu}
+            else:
+                wanted = self.tag_resources.get(tag, {})
             for name, amount in wanted.items():
                 # Two tags asking for the same resource: the larger request wins.
                 resources[name] = max(resources.get(name, 0.0), amount)
+        if len(models) > 1:
+            raise ValueError(f"tags ask for GPU models {sorted(models)}: a task runs on one GPU")
+        if models or MEMORY_RESOURCE in resources:
+            resources.setdefault(GPU_RESOURCE, 1.0)  # a model or memory tag implies a GPU
+        for model in models:  # a model's resource mirrors the share of that GPU
+            resources[model_resource(model)] = resources[GPU_RESOURCE]
         return resources
 
     def resources_for_tags(self, tags: Iterable[str]) -> Resources:

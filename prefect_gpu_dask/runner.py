@@ -31,6 +31,7 @@ from prefect_gpu_dask import cluster as clusters
 from prefect_gpu_dask import reporting
 from prefect_gpu_dask.deadline import deadline
 from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
+from prefect_gpu_dask.labels import GPULabels
 from prefect_gpu_dask.records import HUNG_TOPIC, LEAK, RECORD_TOPIC, HungTask, RestartRecord, TaskRecord
 from prefect_gpu_dask.recycling.flow import Recycler, resolved
 from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
@@ -259,6 +260,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             )
             self._flow_context = contextvars.copy_context()
             self._watch_worker_deaths(client)
+            self._label_gpus(client)
             client.subscribe_topic(HUNG_TOPIC, self._on_hung)
             self._connect_guard(client)
         return self._client
@@ -299,6 +301,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 InterruptedTasks.name,
                 exc,
             )
+
+    def _label_gpus(self, client: distributed.Client) -> None:
+        try:
+            client.register_plugin(GPULabels(self.settings), name=GPULabels.name)
+        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the workers
+            self.logger.warning("Could not label GPU workers with their model and memory: %s", exc)
 
     def _connect_guard(self, client: distributed.Client) -> None:
         offered = self._offers.refresh()

@@ -30,7 +30,7 @@ class FakeBlock:
 
 
 class FakeDeviceProbe:
-    gpu = GPUIdentity(0, "GPU-00000000-fake-0000-0000-000000000000")
+    gpu = GPUIdentity(0, "GPU-00000000-fake-0000-0000-000000000000", "NVIDIA FakeGPU G1", TOTAL)
 
     def sample(self) -> MemorySample:
         used = sum(block.nbytes for block in list(FakeBlock.live))
@@ -40,7 +40,13 @@ class FakeDeviceProbe:
         return AllocatorBytes(owned=sum(b.nbytes for b in list(FakeBlock.live) if b.pooled))
 
 
-def fake_probe() -> FakeDeviceProbe:
+def fake_probe() -> FakeDeviceProbe | None:
+    """The fake GPU, on workers started with a ``GPU`` resource; None (no GPU) elsewhere."""
+    from distributed import Worker
+
+    workers = list(Worker._instances)  # plugins' setup runs outside any task: no get_worker()
+    if len(workers) == 1 and not workers[0].state.total_resources.get("GPU"):
+        return None
     return FakeDeviceProbe()
 
 

@@ -351,3 +351,34 @@ def test_an_oom_is_retried_as_the_task_runs_own_retry():
     print("oom retry:", state.name, "run_count", run.run_count, "states", names, "verdicts", verdicts)
     assert state.is_failed() and run.run_count == 2 and ("Retrying" in names or "AwaitingRetry" in names)
     assert verdicts == ["oom", "oom"]
+
+
+def test_workers_advertise_their_gpu_model_and_memory_and_tags_route_on_them():
+    import pynvml
+    from prefect import tags
+
+    from prefect_gpu_dask import nvml
+    from prefect_gpu_dask.routing import model_resource, model_slug
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    name, total = nvml.device_name(handle), nvml.device_memory(handle).total
+    model = model_slug(name)
+
+    @flow(task_runner=GPUDaskTaskRunner(on_missing_gpu="error"))
+    def labelled():
+        client = FlowRunContext.get().task_runner.client
+        offered = [w["resources"] for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+        with tags(f"gpu:{model}" if model in ("h100", "h200") else f"gpu-model:{model}", "gpu:0.5"):
+            with tags(f"gpu-mem:{total // 4}"):
+                reports = [device_report.submit() for _ in range(4)]
+        with tags(f"gpu-mem:{2 * total}"):
+            too_big = device_report.submit()
+            too_big.wait()
+        return offered, [r.result() for r in reports], too_big.state
+
+    offered, reports, too_big = labelled()
+    print("gpu:", name, "model tag", model, "offered:", offered)
+    assert offered and all(r[model_resource(model)] == 1 and r["GPU-MEM"] == total for r in offered)
+    assert all(r["sum"] == 285 for r in reports)
+    assert too_big.is_failed() and "GPU-MEM" in too_big.message

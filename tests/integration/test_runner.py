@@ -355,3 +355,37 @@ def test_oom_retries_retry_only_out_of_memory_as_the_task_runs_own_retries(remot
         names = [s.name for s in api.read_task_run_states(task_run_id)]
     assert run.run_count == 2 and run.state.is_completed(), (run.run_count, names)
     assert "Retrying" in names or "AwaitingRetry" in names, names
+
+
+def test_gpu_workers_advertise_model_and_memory_and_tags_route_on_them(dask_processes):
+    from tests.scripted_probe import FAKE_PROBE, TOTAL
+
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    dask_processes.start_worker("cpu-worker", "--nthreads", "2")
+    dask_processes.wait_for_workers(2)
+
+    @flow(
+        task_runner=GPUDaskTaskRunner(
+            address=dask_processes.address, memory_probe=FAKE_PROBE, on_missing_gpu="error"
+        )
+    )
+    def labelled():
+        from prefect.context import get_run_context
+
+        client = get_run_context().task_runner.client
+        offered = {w["name"]: w["resources"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        with tags("gpu-model:fakegpu"):
+            by_model = on_which_worker.submit().result()
+        with tags("gpu:0.5", "gpu-mem:8GiB"):
+            by_memory = [on_which_worker.submit() for _ in range(4)]
+        with tags("gpu-mem:32GiB"):
+            too_big = on_which_worker.submit()
+            too_big.wait()
+        return offered, by_model, [f.result() for f in by_memory], too_big.state
+
+    offered, by_model, by_memory, too_big = labelled()
+    assert offered["gpu-worker"] == {"GPU": 1, "GPU-FAKEGPU": 1, "GPU-MEM": TOTAL}, offered
+    assert offered["cpu-worker"] == {}, offered
+    assert by_model == "gpu-worker" and set(by_memory) == {"gpu-worker"}
+    assert too_big.is_failed() and "GPU-MEM" in too_big.message, too_big.message

@@ -63,3 +63,72 @@ def test_satisfiable():
     assert not satisfiable({"GPU": 2}, workers)
     assert not satisfiable({"NVME": 1}, workers)
     assert satisfiable({}, [{}])
+
+
+@pytest.mark.parametrize(
+    "tags, resources",
+    [
+        ({"gpu:h200"}, {"GPU": 1.0, "GPU-H200": 1.0}),
+        ({"gpu:0.5", "gpu:h100"}, {"GPU": 0.5, "GPU-H100": 0.5}),
+        ({"gpu-mem:40GiB"}, {"GPU": 1.0, "GPU-MEM": 40.0 * 2**30}),
+        (
+            {"gpu:0.25", "gpu-mem:20GiB", "gpu-model:rtx-4090"},
+            {"GPU": 0.25, "GPU-MEM": 20.0 * 2**30, "GPU-RTX-4090": 0.25},
+        ),
+    ],
+)
+def test_model_and_memory_tags(tags, resources):
+    assert TagRouter().resources_for_tags(tags) == resources
+
+
+@pytest.mark.parametrize(
+    "tags, named",
+    [
+        ({"gpu:h2000"}, "gpu:h2000"),  # not a known model, not a number: a typo
+        ({"gpu-mem:lots"}, "gpu-mem:lots"),
+        ({"gpu-mem:0"}, "gpu-mem:0"),
+        ({"gpu-model:"}, "gpu-model:"),
+        ({"gpu-model:h 100"}, "gpu-model:h 100"),
+        ({"gpu:h100", "gpu:h200"}, "['h100', 'h200']"),
+    ],
+)
+def test_bad_model_and_memory_tags_name_the_tag(tags, named):
+    with pytest.raises(ValueError) as err:
+        TagRouter().resources_for_tags(tags)
+    assert named in str(err.value)
+
+
+def test_model_and_memory_tags_are_reserved():
+    for tag in ("gpu-mem:1GiB", "gpu-model:h100"):
+        with pytest.raises(ValueError, match="reserved"):
+            TagRouter({tag: {"X": 1}})
+
+
+@pytest.mark.parametrize(
+    "name, slug",
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("Tesla K80", "k80"),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "h100"),
+    ],
+)
+def test_model_slugs_from_nvml_names(name, slug):
+    from prefect_gpu_dask.routing import model_slug
+
+    assert model_slug(name) == slug
+
+
+def test_labels_a_worker_adds_what_it_lacks():
+    from prefect_gpu_dask.labels import labels_for
+    from prefect_gpu_dask.probe import GPUIdentity
+
+    h200 = GPUIdentity(0, "GPU-1", "NVIDIA H200", 141 * 2**30)
+    assert labels_for({}, h200) == {"GPU": 1.0, "GPU-H200": 1.0, "GPU-MEM": 141.0 * 2**30}
+    assert labels_for({"GPU": 2.0}, h200) == {"GPU-H200": 2.0, "GPU-MEM": 141.0 * 2**30}
+    # A MIG instance is a GPU of its own size.
+    mig = GPUIdentity(0, "MIG-1", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", 10 * 2**30)
+    assert labels_for({"GPU": 1.0}, mig) == {"GPU-H100": 1.0, "GPU-MEM": 10.0 * 2**30}
+    assert labels_for({"GPU": 1.0, "GPU-H100": 1.0, "GPU-MEM": 1.0}, mig) == {}
