@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import sys
@@ -153,7 +154,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.release_wait_s = 0.0
         self.memory_released_at: float | None = None  # wall clock, once a dead worker's memory was gone
         self.tasks_run = 0
-        self._tickets = 0
+        self._tickets = itertools.count(1)  # next() is atomic: worker threads begin at once
         self._sampler: PeakSampler | None = None
         self._read_process: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
@@ -195,8 +196,7 @@ class GPUMemoryGuard(WorkerPlugin):
         return self.probe is not None
 
     def begin(self) -> tuple[int, MemorySample, float]:
-        self._tickets += 1
-        ticket = self._tickets
+        ticket = next(self._tickets)
         before = self._read_process()
         if before.process == 0 and _create_cuda_context():
             before = self._read_process()  # the context is the process's, not the task's
@@ -236,6 +236,11 @@ class GPUMemoryGuard(WorkerPlugin):
         peak = self._sampler.stop(ticket, verdict.after.judged)
         return verdict, peak, duration
 
+    def abandon(self, ticket: int) -> None:
+        """Stop watching the peak of a task whose judgement failed."""
+        if self._sampler is not None:
+            self._sampler.stop(ticket, 0)
+
     def report(self, record: TaskRecord) -> None:
         self.worker.log_event(RECORD_TOPIC, record.to_event())
         if record.restart_reason and self.settings.restart == "worker":
@@ -246,9 +251,10 @@ class GPUMemoryGuard(WorkerPlugin):
 
 
 def _thread_ids() -> frozenset[int]:
-    """Threads that may run task code: pools' threads (Dask's and the threads scheduler's
-    are not daemons), not the daemon threads of services (Prefect's log and event
-    workers, this guard's sampler), which start when they please."""
+    """Threads that may make library handles for a task: the threads scheduler's pools
+    (not daemons). Daemon threads are left out: services (Prefect's log and event
+    workers, this guard's sampler) start them when they please, and Dask's own worker
+    threads, daemons too, are part of the allowance's key already."""
     return frozenset(t.ident for t in threading.enumerate() if t.ident is not None and not t.daemon)
 
 
@@ -333,6 +339,16 @@ def _log_record(record: TaskRecord) -> None:
         run_logger.info(message)
 
 
+def _clear_frames(exc: BaseException) -> None:
+    """Let every traceback along the exception's chain drop its frames' locals."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
 @contextlib.contextmanager
 def guarding() -> Iterator[None]:
     """Measure the task run inside it with this worker's guard (a no-op without one).
@@ -351,11 +367,15 @@ def guarding() -> Iterator[None]:
         oom = out_of_memory(exc)
         # The traceback's frames hold the failed task's arrays: judged with them alive,
         # any failed task would look like a leak. The exception itself still propagates.
-        traceback.clear_frames(exc.__traceback__)
+        _clear_frames(exc)
         raise
     finally:
-        identity = _task_identity()
-        verdict, peak, duration = guard.end(ticket, before, started, identity["task_name"], oom)
-        record = build_record(guard, verdict, peak, duration, identity)
-        _log_record(record)
-        guard.report(record)
+        try:
+            identity = _task_identity()
+            verdict, peak, duration = guard.end(ticket, before, started, identity["task_name"], oom)
+            record = build_record(guard, verdict, peak, duration, identity)
+            _log_record(record)
+            guard.report(record)
+        except Exception:  # the guard must never change what the task did
+            guard.abandon(ticket)
+            logger.exception("GPU memory guard failed around a task on %s", guard.worker.address)

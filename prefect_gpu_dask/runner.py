@@ -188,6 +188,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._flow_run_id: str | None = None
         self._flow_context: contextvars.Context | None = None
         self._live: reporting.LivePublisher | None = None
+        self._made_cluster = False  # a cluster this runner built closes with the flow
         self._submitter = TaskSubmitter()
 
     # -- settings round-trip ------------------------------------------------------
@@ -289,6 +290,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
         with dask.config.set(config):
             self._cluster = self._exit_stack.enter_context(cluster_class(**kwargs))
+        self._made_cluster = True
         if self.adapt_kwargs:
             clusters.adapt(self._cluster, self.adapt_kwargs)
 
@@ -406,7 +408,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             return
         # Off Dask's event loop: marking the task run is a call to the Prefect API.
         threading.Thread(
-            target=self._flow_context.run, args=(self._time_out, hung), name="gpu-timeout", daemon=True
+            target=self._flow_context.copy().run, args=(self._time_out, hung), name="gpu-timeout", daemon=True
         ).start()
 
     def _time_out(self, hung: HungTask) -> None:
@@ -474,7 +476,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             connected = self._client is not None and self._client.status == "running"
             if self._recycler is not None:
                 # A remote cluster outlives the flow: finish its restarts. A local one is closing.
-                self._recycler.close(wait=connected and (self._cluster is None or bool(self.address)))
+                self._recycler.close(wait=connected and not self._made_cluster)
             if self._live is not None:
                 self._live.close()
             if self._guard_on and self._flow_run_id and connected:

@@ -20,6 +20,7 @@ from uuid import uuid4
 import cloudpickle
 import distributed
 from prefect.context import EngineContext, SettingsContext, SyncClientContext, serialize_context
+from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
@@ -200,12 +201,17 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
     task = _unshare(task)
     settings, clients = _settings_and_client(context.pop("settings_context"))
     if (dead := died_on()) is not None:
-        # Its run already ended (the flow timed it out, then recycled the worker): that is
-        # its state. Otherwise it crashes at once, naming the dead worker; never retried.
-        final = clients.client.read_task_run(run_kwargs["task_run_id"]).state
-        if final is not None and final.is_final():
-            return final
-        task = with_around(task, refusal(dead), retries=0)
+        # Dask sends back every task the dead worker held. One that never started there
+        # runs now; one whose run already ended (the flow timed it out, then recycled the
+        # worker) returns that state; one that was running crashes, naming the worker.
+        try:
+            state = clients.client.read_task_run(run_kwargs["task_run_id"]).state
+        except ObjectNotFound:
+            state = None
+        if state is not None and state.is_final():
+            return state
+        if state is not None and state.is_running():
+            task = with_around(task, refusal(dead), retries=0)
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.
     settings_reset = _SETTINGS.set(settings)

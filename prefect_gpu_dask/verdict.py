@@ -17,6 +17,7 @@ leaves it again on the same thread is it a ``leak``.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import time
 from collections.abc import Callable
@@ -93,11 +94,23 @@ def oom_retry_condition(
         counts = used.setdefault(task_run.id, [0, 0])
         if out_of_memory(state.data if isinstance(state.data, BaseException) else None):
             counts[0] += 1
-            return counts[0] <= oom_retries
-        counts[1] += 1
-        return counts[1] <= retries and (condition is None or bool(condition(task, task_run, state)))
+            again = counts[0] <= oom_retries
+        else:
+            counts[1] += 1
+            again = counts[1] <= retries and (condition is None or _holds(condition, task, task_run, state))
+        if not again:
+            used.pop(task_run.id, None)  # its last attempt
+        return again
 
     return retry
+
+
+def _holds(condition: Callable[..., Any], *args: Any) -> bool:
+    if inspect.iscoroutinefunction(condition):
+        from prefect.utilities.asyncutils import run_coro_as_sync
+
+        return bool(run_coro_as_sync(condition(*args)))
+    return bool(condition(*args))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import logging
 import queue
 import threading
@@ -47,7 +46,6 @@ class _Request:
     worker: str
     reason: str
     record: TaskRecord | None
-    stuck: tuple[str, ...] = ()  # keys of hung tasks that die with the worker
     worker_name: str | None = None
 
 
@@ -78,6 +76,8 @@ class Recycler:
         self._lock = threading.RLock()
         self._requests: queue.Queue[_Request | None] = queue.Queue()
         self._pending: set[str] = set()
+        # Hung tasks per worker: only the process's end frees their threads, whatever the policy.
+        self._stuck: dict[str, set[str]] = {}
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
@@ -110,7 +110,11 @@ class Recycler:
         """Restart ``worker`` at its next safe point. Never blocks (called from the
         Dask client's event loop). ``stuck``: keys of tasks hung on it, which need not
         finish first and are not run again."""
-        if self.policy == "never" or worker in self._pending or self._closing.is_set():
+        if stuck:  # read again on every attempt: a pending request learns of them too
+            self._stuck.setdefault(worker, set()).update(stuck)
+        elif self.policy == "never":
+            return
+        if worker in self._pending or self._closing.is_set():
             return
         self._pending.add(worker)
         if self._thread is None:
@@ -119,7 +123,7 @@ class Recycler:
             )
             self._thread.start()
         name = record.worker_name if record is not None else worker_name
-        self._requests.put(_Request(worker, reason, record, tuple(stuck), name))
+        self._requests.put(_Request(worker, reason, record, name))
 
     def close(self, wait: bool) -> None:
         """Finish pending requests (``wait``), or drop them with one INFO line."""
@@ -160,12 +164,12 @@ class Recycler:
         if request.worker not in self._workers():
             self.logger.debug("%s is gone already: not restarting it (%s)", request.worker, request.reason)
             return
-        targets = list(self._workers()) if self.policy == "cluster" else [request.worker]
+        # A worker with hung tasks is recycled alone, whatever the policy: only the end of
+        # its process frees their threads.
+        whole_cluster = self.policy == "cluster" and not self._stuck.get(request.worker)
+        targets = list(self._workers()) if whole_cluster else [request.worker]
         self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), request.reason)
-        if self.policy == "cluster":
-            attempt = self._try_cluster
-        else:
-            attempt = functools.partial(self._try_workers, stuck=request.stuck)
+        attempt = self._try_cluster if whole_cluster else self._try_workers
         deadline = time.monotonic() + GIVE_UP_S
         self.client.run_on_scheduler(on_scheduler.suspend_no_workers_timeout)
         try:
@@ -182,6 +186,8 @@ class Recycler:
         finally:
             if self.client.status == "running":
                 self.client.run_on_scheduler(on_scheduler.restore_no_workers_timeout)
+        for address in targets:
+            self._stuck.pop(address, None)
         restart_s = time.perf_counter() - requested
         record = self._record(request, restart_s, requested, requested_wall)
         self._restarts.append(record)
@@ -198,7 +204,8 @@ class Recycler:
         )
         self.on_restart(record)
 
-    def _try_workers(self, targets: list[str], stuck: tuple[str, ...] = ()) -> dict[str, Any]:
+    def _try_workers(self, targets: list[str]) -> dict[str, Any]:
+        stuck = tuple(key for address in targets for key in self._stuck.get(address, ()))
         if not any(address in self._workers() for address in targets):
             return {"status": "gone"}  # died or removed meanwhile: nothing left to recycle
         reports = self.client.run(on_worker.drain, workers=targets, on_error="return")
@@ -212,7 +219,7 @@ class Recycler:
             )
             if handed["status"] != "ok":
                 return {"status": "busy"}
-            found = self.client.run_on_scheduler(on_scheduler.blockers, targets, False)
+            found = self.client.run_on_scheduler(on_scheduler.blockers, targets, False, list(stuck))
             if not found["reasons"]:
                 return self._restart_now(targets, whole_cluster=False, stuck=stuck)
         if found["stuck"]:

@@ -36,12 +36,16 @@ def _moving(ts: Any, drained: set[str], others_running: bool) -> bool:
     return False
 
 
-def blockers(addresses: list[str], whole_cluster: bool, dask_scheduler: Any = None) -> dict[str, Any]:
+def blockers(
+    addresses: list[str], whole_cluster: bool, stuck: list[str] = (), dask_scheduler: Any = None
+) -> dict[str, Any]:
     """Why restarting these workers now could lose or repeat work.
 
-    ``stuck``: a pending task needs a result held by a draining worker and nothing
-    outside the draining workers is moving it forward: only they can run it.
+    ``stuck`` (argument): hung tasks that die with the worker; what they wait for does not
+    count. ``stuck`` (answer): a pending task needs a result held by a draining worker
+    and nothing outside the draining workers is moving it forward: only they can run it.
     """
+    hung = set(stuck)
     reasons, stuck = [], False
     drained = set(addresses)
     if whole_cluster:
@@ -56,7 +60,7 @@ def blockers(addresses: list[str], whole_cluster: bool, dask_scheduler: Any = No
         if ws is None:
             continue
         for ts in ws.has_what:
-            pending = [dep for dep in ts.dependents if dep.state not in DONE_STATES]
+            pending = [dep for dep in ts.dependents if dep.state not in DONE_STATES and dep.key not in hung]
             if pending:
                 reasons.append(f"{ts.key} on {address} is needed by a pending task")
                 stuck = stuck or not all(_moving(dep, drained, others_running) for dep in pending)
@@ -115,7 +119,7 @@ async def restart_if_safe(
 ) -> dict[str, Any]:
     """Restart ``addresses`` now if nothing would be lost; ``stuck``: hung tasks that
     may still run there (they die with the process, and are not run again)."""
-    if (found := blockers(addresses, whole_cluster, dask_scheduler))["reasons"]:
+    if (found := blockers(addresses, whole_cluster, stuck, dask_scheduler))["reasons"]:
         return {"status": "busy", "blockers": found["reasons"]}
     addresses = [a for a in addresses if a in dask_scheduler.workers]
     left = set(stuck)

@@ -415,6 +415,31 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
     assert pid == restart.new_pid, (pid, restart)
 
 
+def test_tasks_queued_on_a_dead_worker_run_on_its_replacement(procs: DaskProcesses, tmp_path):
+    """Only the task run that was running when its worker died crashes: the GPU tasks
+    queued behind it there never started, and run once on the replacement."""
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "1", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    pidfile, ledger = tmp_path / "pid", tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=procs.address))
+    def queued():
+        doomed = long_gpu_task.submit(str(pidfile), str(ledger))
+        victim = int(wait_for_file(pidfile))
+        behind = [gpu_square.submit(i) for i in range(3)]  # queued on the only GPU slot
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        doomed.wait(timeout=60)
+        values = [f.result(timeout=60) for f in behind]
+        return doomed.state, [f.state for f in behind], values
+
+    doomed, behind_states, behind = queued()
+    assert doomed.is_crashed(), doomed
+    assert all(state.is_completed() for state in behind_states), behind_states
+    assert [value for value, _ in behind] == [0, 1, 4]
+
+
 @task(timeout_seconds=2)
 def blocked_in_c(ledger: str) -> str:
     with open(ledger, "a") as fh:
