@@ -47,6 +47,9 @@ def is_local_cuda_cluster(cluster_class: str | Callable[..., Any]) -> bool:
 
 
 def is_local_cpu_cluster(cluster_class: str | Callable[..., Any]) -> bool:
+    """``LocalCluster`` or a subclass of it (those bind where it binds)."""
+    if isinstance(cluster_class, type) and issubclass(cluster_class, distributed.LocalCluster):
+        return True
     return cluster_class_name(cluster_class).rsplit(".", 1)[-1] == "LocalCluster"
 
 
