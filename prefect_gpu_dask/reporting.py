@@ -111,7 +111,8 @@ def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
 
 
 class LivePublisher:
-    """Publishes each record as a table artifact on its task run, in the background.
+    """Publishes each record as a table artifact on its task run, and a leak as an
+    event, in the background.
 
     Built in the flow's thread (whose context reaches the flow's API); records arrive
     on Dask's event loop, which must not wait for the API.
@@ -138,6 +139,11 @@ class LivePublisher:
         from prefect.artifacts import TableArtifact
 
         while (record := self._records.get()) is not None:
+            if record.verdict == LEAK:
+                try:
+                    emit_leak_event(record)
+                except Exception as exc:
+                    self.logger.warning("Could not emit the leak event of %s: %s", record.task_run_name, exc)
             if record.task_run_id is None:
                 continue
             try:

@@ -32,7 +32,7 @@ from prefect_gpu_dask import reporting
 from prefect_gpu_dask.deadline import deadline
 from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
 from prefect_gpu_dask.labels import GPULabels
-from prefect_gpu_dask.records import HUNG_TOPIC, LEAK, RECORD_TOPIC, HungTask, RestartRecord, TaskRecord
+from prefect_gpu_dask.records import HUNG_TOPIC, RECORD_TOPIC, HungTask, RestartRecord, TaskRecord
 from prefect_gpu_dask.recycling.flow import Recycler, resolved
 from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
 from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
@@ -395,10 +395,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         record = TaskRecord.from_event(event[1])
         if self._flow_run_id and record.flow_run_id not in (None, self._flow_run_id):
             return
-        if self._live is not None:
+        if self._live is not None:  # the artifact and the leak event, in the flow's context
             self._live.publish(record)
-        if record.verdict == LEAK:
-            reporting.emit_leak_event(record)
         if record.restart_reason:
             self._recycler.request(record.worker, record.restart_reason, record)
 
