@@ -16,6 +16,7 @@ import contextvars
 import functools
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -41,6 +42,7 @@ from prefect_gpu_dask.submission import TaskSubmitter
 from prefect_gpu_dask.taskwrap import stacked, with_around
 from prefect_gpu_dask.verdict import oom_retry_condition
 
+CLONES_KEPT = 1024
 # How long a scheduler keeps a task nobody can run before failing it ("error" mode).
 NO_WORKERS_TIMEOUT = "10s"
 
@@ -181,7 +183,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client_kwargs=client_kwargs,
             performance_report_path=performance_report_path,
         )
-        self._clones: dict[tuple[int, str], tuple[Any, Any]] = {}
+        # Bounded: a flow that makes tasks on the fly (with_options in a loop) must not
+        # keep every one of them alive.
+        self._clones: OrderedDict[tuple[int, str], tuple[Any, Any]] = OrderedDict()
         self._offers: WorkerOffers | None = None
         self._recycler: Recycler | None = None
         self._guard_on = False
@@ -379,6 +383,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             # pickle cache key on the task object.
             clone = with_around(task, stacked(*arounds.values()), **attributes)
             cached = self._clones[key] = (task, clone)
+            while len(self._clones) > CLONES_KEPT:
+                self._clones.popitem(last=False)
         return cached[1]
 
     def _optimize_futures(self, expr: Any) -> Any:

@@ -82,7 +82,8 @@ class TaskSubmitter:
 
     def __init__(self) -> None:
         self._stand_ins: dict[type, tuple[Any, _Serialized]] = {}
-        self._shared: dict[tuple[str, int], tuple[Any, Shared]] = {}
+        # Bounded: task objects made on the fly must not all stay alive here.
+        self._shared: OrderedDict[tuple[str, int], tuple[Any, Shared]] = OrderedDict()
 
     def _stand_in(self, context_type: Any) -> _Serialized | None:
         current = context_type.get()
@@ -97,6 +98,8 @@ class TaskSubmitter:
         cached = self._shared.get((kind, id(owner)))
         if cached is None or cached[0] is not owner:
             cached = self._shared[(kind, id(owner))] = (owner, Shared(value))
+            while len(self._shared) > SHARED_KEPT:
+                self._shared.popitem(last=False)
         return cached[1]
 
     def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +158,7 @@ class TaskSubmitter:
 _worker_cache: OrderedDict[str, Any] = OrderedDict()
 _worker_lock = threading.Lock()
 WORKER_CACHE_SIZE = 256
+SHARED_KEPT = 1024  # flow side: fixed parts of the task runs submitted lately
 
 
 def _cached(token: str, build: Any) -> Any:

@@ -78,6 +78,7 @@ class Recycler:
         self._pending: set[str] = set()
         # Hung tasks per worker: only the process's end frees their threads, whatever the policy.
         self._stuck: dict[str, set[str]] = {}
+        self._last_result: dict[str, str] = {}  # the scheduler's answer per worker: "OK", "timed out", …
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
@@ -189,6 +190,8 @@ class Recycler:
         for address in targets:
             self._stuck.pop(address, None)
         restart_s = time.perf_counter() - requested
+        if failed := {a: r for a, r in self._last_result.items() if r != "OK"}:
+            self.logger.warning("The restart of %s answered %s", ", ".join(failed), failed)
         record = self._record(request, restart_s, requested, requested_wall)
         self._restarts.append(record)
         free_s = record.memory_free_s
@@ -246,9 +249,11 @@ class Recycler:
         if stuck:
             self.client.run_on_scheduler(on_scheduler.mark_interrupted, list(stuck), targets[0])
         timeout = STUCK_RESTART_S if stuck else self.timeout
-        return self.client.run_on_scheduler(
+        answer = self.client.run_on_scheduler(
             on_scheduler.restart_if_safe, targets, timeout, whole_cluster, list(stuck)
         )
+        self._last_result = answer.get("result", {})
+        return answer
 
     # -- results ------------------------------------------------------------------
     def _unfinished(self) -> int:
