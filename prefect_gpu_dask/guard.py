@@ -166,12 +166,7 @@ class GPUMemoryGuard(WorkerPlugin):
     async def setup(self, worker: Any) -> None:
         self.worker = worker
         try:
-            factory = self.settings.probe_factory()
-            if factory is None:
-                from prefect_gpu_dask.probe import open_probe
-
-                factory = open_probe
-            self.probe = factory()
+            self.probe = self.settings.open_probe()
         except Exception as exc:  # NVML present but unusable: guard off, worker fine
             logger.warning("GPU memory guard disabled on %s: %s", worker.address, exc)
             self.probe = None

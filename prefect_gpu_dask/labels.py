@@ -45,12 +45,7 @@ class GPULabels(WorkerPlugin):
 
     async def setup(self, worker: Any) -> None:
         try:
-            factory = self.settings.probe_factory()
-            if factory is None:
-                from prefect_gpu_dask.probe import open_probe
-
-                factory = open_probe
-            probe = factory()
+            probe = self.settings.open_probe()
         except Exception as exc:  # NVML present but unusable: no labels, worker fine
             logger.warning("Could not read the GPU of %s to label it: %s", worker.address, exc)
             return

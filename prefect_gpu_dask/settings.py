@@ -129,5 +129,10 @@ class RunnerSettings:
         """The runner's constructor arguments these settings came from (validated form)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settle_s"}
 
-    def probe_factory(self) -> ProbeFactory | None:
-        return None if self.memory_probe is None else resolve_probe_factory(self.memory_probe)
+    def open_probe(self) -> Any:
+        """This worker's ``MemoryProbe``: ``memory_probe``'s, else NVML's (None without a GPU)."""
+        if self.memory_probe is None:
+            from prefect_gpu_dask.probe import open_probe
+
+            return open_probe()
+        return resolve_probe_factory(self.memory_probe)()

@@ -78,7 +78,6 @@ class Recycler:
         self._pending: set[str] = set()
         # Hung tasks per worker: only the process's end frees their threads, whatever the policy.
         self._stuck: dict[str, set[str]] = {}
-        self._last_result: dict[str, str] = {}  # the scheduler's answer per worker: "OK", "timed out", …
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
@@ -174,8 +173,8 @@ class Recycler:
         deadline = time.monotonic() + GIVE_UP_S
         self.client.run_on_scheduler(on_scheduler.suspend_no_workers_timeout)
         try:
-            while (status := attempt(targets)["status"]) != "restarted":
-                if status == "gone":
+            while (answer := attempt(targets))["status"] != "restarted":
+                if answer["status"] == "gone":
                     self.logger.warning("%s left the cluster before it could be recycled", targets)
                     return
                 if self._closing.is_set():
@@ -190,7 +189,8 @@ class Recycler:
         for address in targets:
             self._stuck.pop(address, None)
         restart_s = time.perf_counter() - requested
-        if failed := {a: r for a, r in self._last_result.items() if r != "OK"}:
+        # The scheduler's answer per worker: "OK", or "timed out", "removed", an error.
+        if failed := {a: r for a, r in answer.get("result", {}).items() if r != "OK"}:
             self.logger.warning("The restart of %s answered %s", ", ".join(failed), failed)
         record = self._record(request, restart_s, requested, requested_wall)
         self._restarts.append(record)
@@ -249,11 +249,9 @@ class Recycler:
         if stuck:
             self.client.run_on_scheduler(on_scheduler.mark_interrupted, list(stuck), targets[0])
         timeout = STUCK_RESTART_S if stuck else self.timeout
-        answer = self.client.run_on_scheduler(
+        return self.client.run_on_scheduler(
             on_scheduler.restart_if_safe, targets, timeout, whole_cluster, list(stuck)
         )
-        self._last_result = answer.get("result", {})
-        return answer
 
     # -- results ------------------------------------------------------------------
     def _unfinished(self) -> int:
