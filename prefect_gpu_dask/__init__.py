@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prefect_gpu_dask.arrays import array_module, gpu_available
     from prefect_gpu_dask.compute import compute_on_gpus
+    from prefect_gpu_dask.fallback import MissingResourceError
     from prefect_gpu_dask.guard import GPUMemoryGuard
     from prefect_gpu_dask.probe import MemoryProbe, MemorySample, NvmlProbe
     from prefect_gpu_dask.records import RestartRecord, TaskRecord
     from prefect_gpu_dask.routing import Route, TagRouter, parse_gpu_tag
-    from prefect_gpu_dask.runner import GPUDaskTaskRunner, MissingResourceError
+    from prefect_gpu_dask.runner import GPUDaskTaskRunner
     from prefect_gpu_dask.settings import RunnerSettings
 
 _HOMES = {
     "GPUDaskTaskRunner": "runner",
-    "MissingResourceError": "runner",
+    "MissingResourceError": "fallback",
     "GPUMemoryGuard": "guard",
     "RunnerSettings": "settings",
     "TaskRecord": "records",

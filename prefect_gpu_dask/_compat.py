@@ -59,6 +59,35 @@ def bytes_sent(comm: Any) -> int | None:
     return getattr(comm, "byte_count", None)
 
 
+def drop_resource_restrictions(dask_scheduler: Any, keys: list[str], stimulus_id: str) -> list[str]:
+    """Let tasks not started yet run without their resource restrictions.
+
+    Used when no worker offering a task's resources joined in time (``fallback``).
+    Public replacement: a ``Scheduler.set_restrictions`` for resources (it takes worker
+    restrictions only).
+    """
+    released, recommendations = [], {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None or not ts.resource_restrictions:
+            continue
+        if ts.state not in ("released", "waiting", "no-worker"):
+            continue  # already running, or done
+        ts.resource_restrictions = None
+        released.append(key)
+        if ts.state == "no-worker":
+            recommendations[key] = "processing"
+    if recommendations:
+        dask_scheduler.transitions(recommendations, stimulus_id)
+    return released
+
+
+def worker_resources(worker: Any) -> dict[str, float]:
+    """The resources a worker offers. Public replacement: a ``Worker.total_resources``
+    property (the figure lives on its state machine)."""
+    return dict(worker.state.total_resources)
+
+
 def send_pending(comm: Any) -> bool:
     """Whether a ``BatchedSend`` still holds unsent messages."""
     return bool(getattr(comm, "buffer", None))

@@ -135,15 +135,17 @@ Fallback = Literal["cpu", "error"]
 class Route:
     """What to ask Dask for, and what to do because nobody offers it.
 
-    ``fallback`` is None when some worker offers ``resources``; otherwise ``resources``
-    is empty (the task runs unrestricted) and ``message`` says why: the task runs on
-    CPU with that warning (``"cpu"``) or fails with it (``"error"``).
+    ``fallback`` is None when some worker offers ``resources``. Otherwise ``message``
+    says why the task runs on CPU with that warning (``"cpu"``) or fails with it
+    (``"error"``): at once (``resources`` empty: it runs unrestricted) or, with
+    ``wait_s``, if no worker offering ``resources`` joins within that many seconds.
     """
 
     resources: Resources
     gpu: bool  # asks for a GPU: the guard measures it
     fallback: Fallback | None = None
     message: str | None = None
+    wait_s: float = 0.0
 
 
 class TagRouter:
@@ -194,26 +196,31 @@ class TagRouter:
         annotations: Mapping[str, float] | None,
         offers: WorkerOffers | None,
         on_missing: Fallback,
+        wait_s: float = 0.0,
     ) -> Route:
         """Decide where task ``name`` runs.
 
         ``annotations`` (a ``dask.annotate(resources=...)`` around the submit) override
         what the tags ask for, resource by resource. ``offers``: what the cluster's
-        workers advertise (None: not known, route by the request alone).
+        workers advertise (None: not known, route by the request alone). ``wait_s``:
+        how long a cluster that can still grow gets to offer what nobody offers yet.
         """
         resources = self.resources_for_tags(tags)
         if annotations:
             resources = {**resources, **annotations}
         if not resources or offers is None or offers.can_serve(resources):
             return Route(resources, uses_gpu(resources))
-        message = (
-            f"Task {name!r} asked for resources {resources} but no worker offers them "
-            f"(workers offer {offers.latest() or 'nothing'})"
-        )
+        if wait_s > 0:
+            why = f"no worker offering them joined within {wait_s:g} s"
+        else:
+            why = f"no worker offers them (workers offer {offers.latest() or 'nothing'})"
+        message = f"Task {name!r} asked for resources {resources} but {why}"
         if on_missing == "cpu":
             message += ": running on CPU instead (on_missing_gpu='cpu')"
         else:
             message += " (on_missing_gpu='error')"
+        if wait_s > 0:
+            return Route(resources, uses_gpu(resources), on_missing, message, wait_s)
         return Route({}, False, on_missing, message)
 
 

@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import dask
@@ -31,6 +31,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from prefect_gpu_dask import cluster as clusters
 from prefect_gpu_dask import reporting
 from prefect_gpu_dask.deadline import deadline
+from prefect_gpu_dask.fallback import MissingResourceError, ResourceWait, falling_back
 from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
 from prefect_gpu_dask.labels import GPULabels
 from prefect_gpu_dask.records import HUNG_TOPIC, RECORD_TOPIC, HungTask, RestartRecord, TaskRecord
@@ -47,23 +48,7 @@ CLONES_KEPT = 1024
 NO_WORKERS_TIMEOUT = "10s"
 
 
-class MissingResourceError(RuntimeError):
-    """A task asked for a resource (e.g. a GPU) that no worker in the cluster offers."""
-
-
-def _falling_back(message: str, fail: bool) -> Callable[[], AbstractContextManager[None]]:
-    """An ``around`` that announces a routing fallback in the task run, or fails it."""
-
-    @contextmanager
-    def announce() -> Any:
-        if fail:
-            raise MissingResourceError(message)
-        from prefect.logging import get_run_logger
-
-        get_run_logger().warning(message)
-        yield
-
-    return announce
+__all__ = ["GPUDaskTaskRunner", "MissingResourceError"]
 
 
 class GPUDaskTaskRunner(DaskTaskRunner):
@@ -73,7 +58,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     (one worker per GPU, each labelled ``GPU=1``) when NVML finds GPUs and dask-cuda is
     installed, and a CPU ``distributed.LocalCluster`` otherwise; both listen on
     127.0.0.1 only. ``gpu`` tasks then run on CPU workers with a warning
-    (``on_missing_gpu="cpu"``) or fail at once (``"error"``).
+    (``on_missing_gpu="cpu"``) or fail at once (``"error"``). On a cluster that can
+    still grow (an ``address``, a ``cluster``, a non-local ``cluster_class`` or
+    ``adapt_kwargs``) they first wait ``gpu_wait_s`` for a GPU worker to join.
 
     Args:
         cluster, address, cluster_class, cluster_kwargs, adapt_kwargs, client_kwargs,
@@ -92,6 +79,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             ``"package.module:factory"``) for the guard to read instead of NVML.
         oom_retries: retries for ``gpu`` task runs that fail on CUDA out-of-memory,
             on top of the task's own ``retries``.
+        gpu_wait_s: seconds a task waits for a worker offering its resources on a
+            cluster that can still grow, before ``on_missing_gpu`` applies.
 
     After a flow run, ``runner.records`` holds its ``TaskRecord``s and
     ``runner.restarts`` the ``RestartRecord``s of the workers it recycled.
@@ -147,6 +136,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         restart_after_tasks: int | None = None,
         memory_probe: str | Callable[[], Any] | None = None,
         oom_retries: int = 0,
+        gpu_wait_s: float = 60.0,
     ):
         self.settings = RunnerSettings(
             tag_resources=tag_resources if tag_resources is not None else {},
@@ -158,6 +148,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             restart_after_tasks=restart_after_tasks,
             memory_probe=memory_probe,
             oom_retries=oom_retries,
+            gpu_wait_s=gpu_wait_s,
         )
         if security is not None and not isinstance(security, distributed.Security):
             raise ValueError(f"security={security!r} is not a distributed.Security")
@@ -188,6 +179,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._clones: OrderedDict[tuple[int, str], tuple[Any, Any]] = OrderedDict()
         self._offers: WorkerOffers | None = None
         self._recycler: Recycler | None = None
+        self._resource_wait: ResourceWait | None = None
+        self._can_grow = True  # workers may still join: tasks wait for their resources
         self._guard_on = False
         self._flow_run_id: str | None = None
         self._flow_context: contextvars.Context | None = None
@@ -256,6 +249,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             finally:
                 self.adapt_kwargs = adapt_kwargs
             self._offers = WorkerOffers.of_client(client)
+            self._can_grow = not (
+                self._made_cluster
+                and isinstance(self._cluster, distributed.LocalCluster)
+                and not self.adapt_kwargs
+            )
+            self._resource_wait = ResourceWait(
+                client, self._offers, self.logger, self.settings.on_missing_gpu
+            )
             self._recycler = Recycler(
                 client,
                 self.settings.restart,
@@ -289,7 +290,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self.logger.info("Creating a new Dask cluster with `%s`", name)
         config = (
             {"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT}
-            if self.settings.on_missing_gpu == "error"
+            if self.settings.on_missing_gpu == "error" and not self.adapt_kwargs
             else {}
         )
         with dask.config.set(config):
@@ -318,9 +319,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         offered = self._offers.refresh()
         if self.settings.guard == "off":
             return
-        if not any(uses_gpu(r) for r in offered) and not self.address:
+        if not any(uses_gpu(r) for r in offered) and not self._can_grow:
             self.logger.info("No GPU workers in this cluster: the GPU memory guard is a no-op")
             return
+        # Registered on the scheduler: workers that join later get it too, and each
+        # decides for itself whether it has a GPU to guard.
         client.register_plugin(GPUMemoryGuard(self.settings), name=PLUGIN_NAME)
         self._live = reporting.LivePublisher(self.logger)
         client.subscribe_topic(RECORD_TOPIC, self._on_record)
@@ -341,6 +344,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 dask.get_annotations().get("resources"),
                 self._offers,
                 self.settings.on_missing_gpu,
+                self.settings.gpu_wait_s if self._can_grow else 0.0,
             )
             task = self._task_for(task, route)
             annotate = dask.annotate(resources=route.resources) if route.resources else nullcontext()
@@ -352,6 +356,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                     self._optimize_futures(wait_for) if wait_for else None,
                     dependencies,
                 )
+        if route.wait_s:
+            self._resource_wait.add(wrapped.key, route.resources, route.wait_s)
         future = PrefectDaskFuture(wrapped_future=wrapped, task_run_id=wrapped.task_run_id)
         self._recycler.track(wrapped.key, future)
         return future
@@ -361,8 +367,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         fallback notice, the guard, the deadline watchdog), or as it is."""
         arounds: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
         if route.fallback is not None:
-            arounds[route.message] = _falling_back(route.message, route.fallback == "error")
-        elif self._guard_on and (self.settings.guard == "all" or route.gpu):
+            waited_for = route.resources if route.wait_s else None
+            arounds[route.message] = falling_back(route.message, route.fallback == "error", waited_for)
+        if (route.fallback is None or route.wait_s) and (
+            self._guard_on and (self.settings.guard == "all" or route.gpu)
+        ):
             arounds["guard"] = guarding
         if task.timeout_seconds:
             arounds["deadline"] = deadline
@@ -478,6 +487,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         try:
             # A client that lost its scheduler would wait out its reconnect timeout.
             connected = self._client is not None and self._client.status == "running"
+            if self._resource_wait is not None:
+                self._resource_wait.close()
             if self._recycler is not None:
                 # A remote cluster outlives the flow: finish its restarts. A local one is closing.
                 self._recycler.close(wait=connected and not self._made_cluster)

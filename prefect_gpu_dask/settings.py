@@ -84,6 +84,8 @@ class RunnerSettings:
             ``"package.module:factory"``, resolved on each worker.
         oom_retries: retries a ``gpu`` task run gets for CUDA out-of-memory errors, on
             top of its own ``retries`` (which keep counting its other failures).
+        gpu_wait_s: on a cluster that can still grow, how long a task whose resources no
+            worker offers waits for one to join before ``on_missing_gpu`` applies.
         settle_s: how long the guard lets the driver settle before confirming a leak.
     """
 
@@ -96,6 +98,7 @@ class RunnerSettings:
     restart_after_tasks: int | None = None
     memory_probe: str | ProbeFactory | None = None
     oom_retries: int = 0
+    gpu_wait_s: float = 60.0
     settle_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -119,6 +122,9 @@ class RunnerSettings:
         count = self.oom_retries
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"oom_retries {count!r} must be a whole number >= 0")
+        wait = self.gpu_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < math.inf:
+            raise ValueError(f"gpu_wait_s {wait!r} must be a number of seconds >= 0")
         settle = self.settle_s
         if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
             raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")

@@ -98,7 +98,7 @@ def test_missing_gpu_falls_back_to_cpu_with_a_warning(remote_cluster):
     def needs_two() -> str:
         return distributed.get_worker().name
 
-    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, gpu_wait_s=0))
     def fallback():
         future = needs_two.submit()
         return future.result(), future.task_run_id
@@ -115,7 +115,7 @@ def test_missing_gpu_error_fails_fast(remote_cluster):
     def needs_two() -> str:
         return "ran"
 
-    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, on_missing_gpu="error"))
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, on_missing_gpu="error", gpu_wait_s=0))
     def strict():
         return needs_two.submit()
 
@@ -228,6 +228,7 @@ ARGUMENTS = dict(
     restart_after_tasks=10,
     allow_insecure=False,
     oom_retries=2,
+    gpu_wait_s=12.5,
 )
 
 

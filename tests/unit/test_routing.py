@@ -2,7 +2,15 @@ import pickle
 
 import pytest
 
-from prefect_gpu_dask.routing import TagRouter, parse_gpu_tag, satisfiable, validate_tag_resources
+from prefect_gpu_dask.routing import (
+    Route,
+    TagRouter,
+    WorkerOffers,
+    parse_gpu_tag,
+    satisfiable,
+    validate_tag_resources,
+)
+from prefect_gpu_dask.settings import RunnerSettings
 
 
 @pytest.mark.parametrize(
@@ -132,3 +140,31 @@ def test_labels_a_worker_adds_what_it_lacks():
     mig = GPUIdentity(0, "MIG-1", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", 10 * 2**30)
     assert labels_for({"GPU": 1.0}, mig) == {"GPU-H100": 1.0, "GPU-MEM": 10.0 * 2**30}
     assert labels_for({"GPU": 1.0, "GPU-H100": 1.0, "GPU-MEM": 1.0}, mig) == {}
+
+
+def _offers(*workers: dict[str, float]) -> WorkerOffers:
+    answer = {"workers": {str(i): {"resources": w} for i, w in enumerate(workers)}}
+    return WorkerOffers(identity=lambda: answer)
+
+
+def test_route_waits_for_a_cluster_that_can_grow_and_falls_back_at_once_otherwise():
+    router = TagRouter()
+    cpu_only = _offers({})
+    at_once = router.route("t", {"gpu:0.25"}, None, cpu_only, "error")
+    assert at_once.resources == {} and at_once.fallback == "error" and at_once.wait_s == 0
+    assert "no worker offers them (workers offer [{}])" in at_once.message
+
+    waits = router.route("t", {"gpu:0.25"}, None, cpu_only, "cpu", wait_s=45)
+    # The share is kept while it waits: a gpu:0.25 task never takes more than its quarter.
+    assert waits.resources == {"GPU": 0.25} and waits.gpu and waits.wait_s == 45
+    assert waits.fallback == "cpu"
+    assert "no worker offering them joined within 45 s: running on CPU instead" in waits.message
+
+    served = router.route("t", {"gpu:0.25"}, None, _offers({}, {"GPU": 1}), "error", wait_s=45)
+    assert served == Route({"GPU": 0.25}, True)
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), "60", True, None])
+def test_gpu_wait_must_be_seconds(bad):
+    with pytest.raises(ValueError, match=r"gpu_wait_s .* must be a number of seconds"):
+        RunnerSettings(gpu_wait_s=bad)
