@@ -126,8 +126,13 @@ class ResourceWait:
             if not self._closed:
                 try:
                     self._expire()
-                except Exception as exc:  # a closing client: the flow is ending
-                    self._logger.debug("Could not release tasks past their GPU wait: %s", exc)
+                except Exception as exc:
+                    if not self._closed:  # else the flow is ending and the client closing
+                        self._logger.warning(
+                            "Could not release task runs past their wait for a GPU worker "
+                            "(is prefect-gpu-dask installed on the scheduler?); they wait on: %s",
+                            exc,
+                        )
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -165,15 +165,23 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._user_client_kwargs = dict(client_kwargs or {})
         if security is not None:
             client_kwargs = {**self._user_client_kwargs, "security": security}
+        # On a Dask worker (where Prefect re-creates the runner) the cluster class is not
+        # imported: some (dask-jobqueue's) set a signal handler at import, which only the
+        # main thread may do. The flow side imports it here, so a typo fails at once.
+        deferred = isinstance(cluster_class, str) and _on_dask_worker()
         super().__init__(
             cluster=cluster,
             address=address,
-            cluster_class=cluster_class,
+            cluster_class=functools.partial(clusters.resolve_cluster_class, cluster_class)
+            if deferred
+            else cluster_class,
             cluster_kwargs=cluster_kwargs,
             adapt_kwargs=adapt_kwargs,
             client_kwargs=client_kwargs,
             performance_report_path=performance_report_path,
         )
+        if deferred:
+            self.cluster_class, self.resolved_cluster_class = cluster_class, None
         # Bounded: a flow that makes tasks on the fly (with_options in a loop) must not
         # keep every one of them alive.
         self._clones: OrderedDict[tuple[int, str], tuple[Any, Any]] = OrderedDict()
@@ -205,7 +213,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
 
     def duplicate(self) -> GPUDaskTaskRunner:
-        return type(self)(**self._arguments())
+        # Prefect's flow engine runs the duplicate: a cluster the user passed in comes along.
+        user_cluster = None if self._made_cluster else self._cluster
+        return type(self)(cluster=user_cluster, **self._arguments())
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and self._arguments() == other._arguments()
@@ -243,7 +253,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if self._client is None:
             self._start_local_cluster()
             # prefect-dask calls an existing cluster's adapt() without awaiting it: the
-            # cluster this runner built was made adaptive in _start_local_cluster.
+            # cluster this runner built or was given was made adaptive just above.
             adapt_kwargs, self.adapt_kwargs = self.adapt_kwargs, {}
             try:
                 client = DaskTaskRunner.client.fget(self)
@@ -273,11 +283,13 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return self._client
 
     def _start_local_cluster(self) -> None:
+        if self._cluster is not None and self.adapt_kwargs:
+            clusters.adapt(self._cluster, self.adapt_kwargs)  # the user's cluster, made adaptive
         if self._cluster is not None or self.address:
             return
         try:
             distributed.get_client()
-            return  # inside a Dask worker: the parent reuses that cluster
+            return  # a default client (inside a Dask worker: the parent's): prefect-dask uses it
         except ValueError:
             pass
         if self.cluster_class:
@@ -475,11 +487,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
         if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
             return
-        try:
-            distributed.get_worker()
+        if _on_dask_worker():
             return
-        except ValueError:
-            pass
         from prefect.server.api.server import SubprocessASGIServer
 
         server = SubprocessASGIServer()
@@ -505,3 +514,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self.logger.exception("Could not publish the GPU memory report")
         finally:
             super().__exit__(*exc_info)
+
+
+def _on_dask_worker() -> bool:
+    try:
+        distributed.get_worker()
+        return True
+    except ValueError:
+        return False

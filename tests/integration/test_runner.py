@@ -390,3 +390,38 @@ def test_gpu_workers_advertise_model_and_memory_and_tags_route_on_them(dask_proc
     assert offered["cpu-worker"] == {}, offered
     assert by_model == "gpu-worker" and set(by_memory) == {"gpu-worker"}
     assert too_big.is_failed() and "GPU-MEM" in too_big.message, too_big.message
+
+
+def test_a_cluster_class_that_sets_a_signal_handler_at_import_is_not_imported_on_workers():
+    """Prefect re-creates the runner on each worker, in a worker thread: importing such
+    a class there would fail every task run."""
+
+    @flow(
+        task_runner=GPUDaskTaskRunner(
+            cluster_class="tests.signal_cluster.SignalCluster",
+            cluster_kwargs={"n_workers": 1, "threads_per_worker": 1},
+        )
+    )
+    def on_signal_cluster():
+        return anywhere.submit(0).result()
+
+    assert on_signal_cluster() == 0  # the one worker's name
+
+
+def test_a_cluster_passed_in_is_the_one_the_flow_uses():
+    from distributed import LocalCluster
+
+    with LocalCluster(
+        n_workers=1, threads_per_worker=1, resources={"GPU": 1}, dashboard_address=":0"
+    ) as cluster:
+
+        @flow(task_runner=GPUDaskTaskRunner(cluster=cluster))
+        def on_given_cluster():
+            from prefect.context import get_run_context
+
+            scheduler = get_run_context().task_runner.client.scheduler.address
+            return gpu_where.submit(0).result(), scheduler
+
+        name, scheduler = on_given_cluster()
+        assert scheduler == cluster.scheduler_address
+        assert name in {w.name for w in cluster.workers.values()}
