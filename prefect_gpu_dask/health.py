@@ -1,0 +1,455 @@
+"""Is this process's GPU sick? NVML readings, a pure judge, and a small monitor.
+
+``HealthReadings`` is what one check reads from NVML; ``judge`` turns readings into a
+``HealthVerdict`` and touches nothing; ``HealthMonitor`` reads and judges once per
+``check()`` and keeps the little state a verdict needs across checks. Tests drive the
+monitor with a plain callable returning readings; ``HealthMonitor.for_this_worker()``
+builds the NVML reader (``pynvml`` is imported inside functions only, so the package
+imports and runs on machines without a GPU).
+
+What quarantines (``healthy=False``) and why:
+
+- the GPU is lost (NVML answered ``GPU_IS_LOST``), or NVML says it needs a reset
+  (``RESET_REQUIRED``): nothing more can run on it;
+- volatile uncorrectable ECC errors > 0: memory failed since the last reset, and the
+  counter clears only with a reset, which cannot happen while this process holds the GPU;
+- row remapping failed: the GPU could not take the bad memory out of use;
+- page retirement pending (GPUs before Ampere, which have no dynamic page offlining):
+  the bad page stays in use until a reset;
+- a critical Xid (``CRITICAL_XIDS``), each one that NVIDIA's Xid catalogue answers with
+  a GPU reset (or worse);
+- hardware slowdown (the GPU's own thermal, power-brake or external slowdown signal) in
+  ``slowdown_checks`` consecutive checks.
+
+What only warns: pending row remapping (error containment and dynamic page offlining
+keep the bad row out of use until the next reset), other Xids (most are application
+faults, some are signs to watch: ``WARNING_XIDS``), a hardware slowdown not yet
+persistent, and queries NVML failed to answer.
+
+``NVML_ERROR_UNKNOWN`` is not taken for a lost GPU: NVML returns it for driver states
+that pass, and a GPU that really fell off the bus answers ``GPU_IS_LOST`` or raises
+Xid 79. A query that fails that way is named in ``HealthReadings.unanswered`` (a warning)
+rather than read as a healthy figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prefect_gpu_dask import nvml
+
+# Xids whose catalogue entry asks for a GPU reset, node reboot or hardware service.
+# Source: NVIDIA's Xid catalogue (docs.nvidia.com/deploy/xid-errors) and the driver's
+# mnemonics (open-gpu-kernel-modules, src/common/sdk/nvidia/inc/nverror.h).
+CRITICAL_XIDS: dict[int, str] = {
+    48: "double-bit ECC error",  # ROBUST_CHANNEL_GPU_ECC_DBE: reset to clear
+    64: "row remapping or page retirement failed",  # INFOROM_DRAM_RETIREMENT_FAILURE
+    74: "NVLink error",  # NVLINK_ERROR: reset or reboot to clear
+    79: "GPU fell off the bus",  # ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS
+    94: "contained uncorrectable ECC error",  # same condition as the volatile ECC count
+    95: "uncontained uncorrectable ECC error",  # reset before anything runs again
+    119: "GSP RPC timeout",  # GSP_RPC_TIMEOUT: the GPU's firmware stopped answering
+    120: "GSP error",  # GSP_ERROR
+    140: "unrecovered ECC error",  # pages could not be offlined or remapped: reset
+}
+
+# Xids named in warnings; the catalogue asks for no reset.
+WARNING_XIDS: dict[int, str] = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "preemptive cleanup",
+    63: "row remapping or page retirement recorded",
+    92: "high single-bit ECC error rate",
+}
+
+# More events than this in one check are left for the next, so a storm cannot stall one.
+MAX_EVENTS_PER_CHECK = 64
+
+_ALL_INSTANCES = 0xFFFFFFFF  # event field value meaning "the whole GPU" (no MIG instance)
+
+
+@dataclass(frozen=True)
+class HealthReadings:
+    """What one check read from NVML for one GPU.
+
+    A MIG instance is judged by its parent GPU's ECC, row-remapping, page-retirement and
+    clock readings (NVML answers those for whole GPUs only), and by the Xids raised for
+    the whole GPU or for this instance. ``None``: the GPU or driver cannot say.
+    """
+
+    gpu_uuid: str
+    lost: bool = False
+    ecc_volatile_uncorrectable: int | None = None
+    retired_pages_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    row_remap_pending: bool | None = None
+    hw_slowdown: bool = False
+    xid_events: tuple[int, ...] = ()  # Xid codes raised since the last check
+    reset_required: bool = False
+    unanswered: tuple[str, ...] = ()  # queries that failed for another reason than support
+
+
+@dataclass(frozen=True)
+class HealthVerdict:
+    """``healthy`` is False when ``reasons`` is not empty; ``warnings`` never quarantine."""
+
+    healthy: bool
+    reasons: tuple[str, ...]
+    gpu_uuid: str
+    warnings: tuple[str, ...] = ()
+
+
+def describe_xid(xid: int, count: int = 1) -> str:
+    name = CRITICAL_XIDS.get(xid) or WARNING_XIDS.get(xid)
+    text = f"Xid {xid} ({name})" if name else f"Xid {xid}"
+    return text if count == 1 else f"{text}, {count} times"
+
+
+def judge(readings: HealthReadings, previous_slowdowns: int = 0, slowdown_checks: int = 3) -> HealthVerdict:
+    """The verdict on one set of readings. Pure.
+
+    ``previous_slowdowns``: how many checks in a row before this one saw a hardware
+    slowdown; with this one they reach ``slowdown_checks`` and the slowdown quarantines.
+    """
+    if _clean(readings):  # the usual case, kept short
+        return HealthVerdict(True, (), readings.gpu_uuid)
+    reasons: list[str] = []
+    warnings: list[str] = []
+    if readings.lost:
+        reasons.append("GPU is lost (fell off the bus)")
+    if readings.reset_required:
+        reasons.append("GPU needs a reset")
+    errors = readings.ecc_volatile_uncorrectable
+    if errors is not None and errors > 0:
+        reasons.append(f"{errors} volatile uncorrectable ECC error{'' if errors == 1 else 's'}")
+    if readings.row_remap_failure:
+        reasons.append("row remapping failed")
+    if readings.retired_pages_pending:
+        reasons.append("page retirement pending")
+    if readings.row_remap_pending:
+        warnings.append("row remapping pending (applied at the next GPU reset)")
+    counts: dict[int, int] = {}
+    for xid in readings.xid_events:
+        counts[xid] = counts.get(xid, 0) + 1
+    for xid, count in counts.items():
+        (reasons if xid in CRITICAL_XIDS else warnings).append(describe_xid(xid, count))
+    if readings.hw_slowdown:
+        streak = previous_slowdowns + 1
+        if streak >= slowdown_checks:
+            reasons.append(f"hardware slowdown in {streak} consecutive checks")
+        else:
+            warnings.append(f"hardware slowdown ({streak} of {slowdown_checks} checks to quarantine)")
+    if readings.unanswered:
+        warnings.append(f"NVML did not answer: {', '.join(readings.unanswered)}")
+    return HealthVerdict(not reasons, tuple(reasons), readings.gpu_uuid, tuple(warnings))
+
+
+def _clean(r: HealthReadings) -> bool:
+    return not (
+        r.lost
+        or r.reset_required
+        or r.ecc_volatile_uncorrectable
+        or r.row_remap_failure
+        or r.retired_pages_pending
+        or r.row_remap_pending
+        or r.hw_slowdown
+        or r.xid_events
+        or r.unanswered
+    )
+
+
+class HealthMonitor:
+    """Checks one GPU: built once per worker process, ``check()`` as often as wanted.
+
+    Critical Xids stay in every later verdict: the reset they call for needs every
+    process off the GPU, this one included, so for this process they never clear.
+    ``limits`` says, once, what this GPU, driver or container does not let it check.
+    """
+
+    def __init__(
+        self,
+        reader: Callable[[], HealthReadings],
+        slowdown_checks: int = 3,
+        limits: tuple[str, ...] | None = None,
+    ):
+        if slowdown_checks < 1:
+            raise ValueError(f"slowdown_checks must be at least 1, not {slowdown_checks}")
+        self._reader = reader
+        self.slowdown_checks = slowdown_checks
+        self.limits: tuple[str, ...] = tuple(limits if limits is not None else getattr(reader, "limits", ()))
+        self._slowdowns = 0
+        self._critical: tuple[int, ...] = ()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_this_worker(cls, slowdown_checks: int = 3) -> HealthMonitor | None:
+        """A monitor of this process's GPU (first ``CUDA_VISIBLE_DEVICES`` entry) read
+        through NVML, or None where NVML has no GPU for this process."""
+        if nvml.visible_gpu_count() == 0:
+            return None
+        import pynvml
+
+        try:
+            reader = NvmlHealthReader(nvml.worker_device_handle())
+        except pynvml.NVMLError as error:
+            if error.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+                return None
+            # Lost before the first reading: still a GPU this process was given, and sick.
+            lost = HealthReadings(_visible_name(), lost=True)
+            return cls(
+                lambda: lost, slowdown_checks, ("everything: the GPU was lost before the first check",)
+            )
+        except RuntimeError:  # distributed found no GPU for this process
+            return None
+        return cls(reader, slowdown_checks)
+
+    @property
+    def slowdowns(self) -> int:
+        """Consecutive checks, up to the last, that saw a hardware slowdown."""
+        return self._slowdowns
+
+    def check(self) -> HealthVerdict:
+        with self._lock:
+            readings = self._reader()
+            if readings.xid_events or self._critical:
+                # Earlier critical Xids once each, then this check's events as counted.
+                earlier = tuple(xid for xid in self._critical if xid not in readings.xid_events)
+                if earlier:
+                    readings = dataclasses.replace(readings, xid_events=earlier + readings.xid_events)
+                self._critical += tuple(
+                    dict.fromkeys(
+                        x for x in readings.xid_events if x in CRITICAL_XIDS and x not in self._critical
+                    )
+                )
+            verdict = judge(readings, self._slowdowns, self.slowdown_checks)
+            self._slowdowns = self._slowdowns + 1 if readings.hw_slowdown else 0
+            return verdict
+
+    def close(self) -> None:
+        close = getattr(self._reader, "close", None)
+        if close is not None:
+            close()
+
+
+def _visible_name() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
+class NvmlHealthReader:
+    """Reads ``HealthReadings`` for one NVML device handle (a GPU or a MIG instance).
+
+    Each query is tried once here: one the GPU, driver or container does not support is
+    left out of every check and named in ``limits``. In a check, a query that raises
+    gives None for its fields; ``GPU_IS_LOST`` and ``RESET_REQUIRED`` set their flags.
+    Xid events are drained without waiting.
+    """
+
+    def __init__(self, handle: Any):
+        import pynvml
+
+        self._nvml = p = pynvml
+        self.gpu_uuid = nvml.device_uuid(handle)
+        self._device, self._instance = _physical_device(p, handle)
+        limits: list[str] = []
+        device = self._device
+        self._ecc = self._supported(
+            "ECC errors",
+            limits,
+            lambda: p.nvmlDeviceGetTotalEccErrors(
+                device, p.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, p.NVML_VOLATILE_ECC
+            ),
+        )
+        if self._ecc and not _ecc_enabled(p, device):
+            self._ecc = False
+            limits.append("ECC errors not checked: ECC is disabled on this GPU")
+        self._retired = self._supported(
+            "page retirement", limits, lambda: p.nvmlDeviceGetRetiredPagesPendingStatus(device)
+        )
+        self._rows = self._supported("row remapping", limits, lambda: p.nvmlDeviceGetRemappedRows(device))
+        self._clock_reasons, self._slowdown_mask = _clock_reasons(p)
+        self._clocks = self._supported("hardware slowdown", limits, lambda: self._clock_reasons(device))
+        self._xid_type = p.nvmlEventTypeXidCriticalError
+        self._wait = getattr(p, "nvmlEventSetWait_v2", None) or p.nvmlEventSetWait
+        self._events = self._open_events(limits)
+        self._quiet = frozenset(_quiet_codes(p))
+        self.limits = tuple(limits)
+
+    def _supported(self, name: str, limits: list[str], query: Callable[[], Any]) -> bool:
+        p = self._nvml
+        try:
+            query()
+        except p.NVMLError as error:
+            if error.value in (p.NVML_ERROR_GPU_IS_LOST, p.NVML_ERROR_RESET_REQUIRED):
+                return True  # supported, and the checks will report it
+            if error.value in (p.NVML_ERROR_NOT_SUPPORTED, p.NVML_ERROR_FUNCTION_NOT_FOUND):
+                limits.append(f"{name} not checked: not supported by this GPU or driver")
+                return False
+            if error.value == p.NVML_ERROR_NO_PERMISSION:
+                limits.append(f"{name} not checked: no permission")
+                return False
+            return True  # answered with an error that may pass; checks will say so
+        return True
+
+    def _open_events(self, limits: list[str]) -> Any:
+        p = self._nvml
+        try:
+            supported = p.nvmlDeviceGetSupportedEventTypes(self._device)
+        except p.NVMLError as error:
+            limits.append(f"Xid events not checked: {error}")
+            return None
+        if not supported & self._xid_type:
+            limits.append("Xid events not checked: not supported by this GPU or driver")
+            return None
+        try:
+            events = p.nvmlEventSetCreate()
+        except p.NVMLError as error:
+            limits.append(f"Xid events not checked: {error}")
+            return None
+        try:
+            p.nvmlDeviceRegisterEvents(self._device, self._xid_type, events)
+        except p.NVMLError as error:  # MIG, containers without the capability
+            _free_events(p, events)
+            limits.append(f"Xid events not checked: registration refused ({error})")
+            return None
+        return events
+
+    def __call__(self) -> HealthReadings:
+        p, device = self._nvml, self._device
+        failed: list[tuple[str, int]] = []
+
+        def ask(name: str, query: Callable[..., Any], *args: Any) -> Any:
+            try:
+                return query(*args)
+            except p.NVMLError as error:
+                failed.append((name, error.value))
+                return None
+
+        errors = (
+            ask(
+                "ECC",
+                p.nvmlDeviceGetTotalEccErrors,
+                device,
+                p.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                p.NVML_VOLATILE_ECC,
+            )
+            if self._ecc
+            else None
+        )
+        pending = (
+            ask("page retirement", p.nvmlDeviceGetRetiredPagesPendingStatus, device)
+            if self._retired
+            else None
+        )
+        rows = ask("row remapping", p.nvmlDeviceGetRemappedRows, device) if self._rows else None
+        reasons = ask("clocks", self._clock_reasons, device) if self._clocks else None
+        xids = self._drain_xids(failed) if self._events is not None else ()
+        codes = {code for _, code in failed}
+        return HealthReadings(
+            gpu_uuid=self.gpu_uuid,
+            lost=p.NVML_ERROR_GPU_IS_LOST in codes,
+            ecc_volatile_uncorrectable=None if errors is None else int(errors),
+            retired_pages_pending=None if pending is None else pending == p.NVML_FEATURE_ENABLED,
+            row_remap_failure=None if rows is None else bool(rows[3]),
+            row_remap_pending=None if rows is None else bool(rows[2]),
+            hw_slowdown=bool(reasons is not None and reasons & self._slowdown_mask),
+            xid_events=xids,
+            reset_required=p.NVML_ERROR_RESET_REQUIRED in codes,
+            unanswered=tuple(name for name, code in failed if code not in self._quiet),
+        )
+
+    def _drain_xids(self, failed: list[tuple[str, int]]) -> tuple[int, ...]:
+        p, xids = self._nvml, []
+        for _ in range(MAX_EVENTS_PER_CHECK):
+            try:
+                data = self._wait(self._events, 0)
+            except p.NVMLError as error:
+                if error.value != p.NVML_ERROR_TIMEOUT:  # timeout: no event waiting
+                    failed.append(("Xid events", error.value))
+                break
+            if data.eventType == self._xid_type and self._concerns_us(data):
+                xids.append(int(data.eventData))
+        return tuple(xids)
+
+    def _concerns_us(self, data: Any) -> bool:
+        if self._instance is None:
+            return True
+        gpu_instance, compute_instance = self._instance
+        return data.gpuInstanceId in (_ALL_INSTANCES, gpu_instance) and data.computeInstanceId in (
+            _ALL_INSTANCES,
+            compute_instance,
+        )
+
+    def close(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            _free_events(self._nvml, events)
+
+
+def _physical_device(p: Any, handle: Any) -> tuple[Any, tuple[int, int] | None]:
+    """The whole GPU behind ``handle`` and, for a MIG instance, its (GPU, compute)
+    instance ids."""
+    try:
+        is_mig = p.nvmlDeviceIsMigDeviceHandle(handle)
+    except p.NVMLError:  # driver without MIG
+        return handle, None
+    if not int(getattr(is_mig, "value", is_mig)):
+        return handle, None
+    parent = p.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+    instance = (int(p.nvmlDeviceGetGpuInstanceId(handle)), int(p.nvmlDeviceGetComputeInstanceId(handle)))
+    return parent, instance
+
+
+def _ecc_enabled(p: Any, device: Any) -> bool:
+    try:
+        current, _pending = p.nvmlDeviceGetEccMode(device)
+    except p.NVMLError:  # the counter answered: let it speak
+        return True
+    return current == p.NVML_FEATURE_ENABLED
+
+
+def _clock_reasons(p: Any) -> tuple[Callable[[Any], int], int]:
+    """NVML's current clock event reasons (falling back to the older "throttle" name
+    where the driver lacks the new one) and the hardware-slowdown bits among them."""
+    new = getattr(p, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    old = p.nvmlDeviceGetCurrentClocksThrottleReasons
+
+    def read(device: Any) -> int:
+        if new is None:
+            return old(device)
+        try:
+            return new(device)
+        except p.NVMLError as error:
+            if error.value != p.NVML_ERROR_FUNCTION_NOT_FOUND:
+                raise
+            return old(device)
+
+    mask = 0
+    for bit in ("HwSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"):
+        mask |= getattr(p, f"nvmlClocksEventReason{bit}", None) or getattr(
+            p, f"nvmlClocksThrottleReason{bit}"
+        )
+    return read, mask
+
+
+def _quiet_codes(p: Any) -> tuple[int, ...]:
+    """Failures a check reports by flags or not at all, not as unanswered queries."""
+    return (
+        p.NVML_ERROR_GPU_IS_LOST,
+        p.NVML_ERROR_RESET_REQUIRED,
+        p.NVML_ERROR_NOT_SUPPORTED,
+        p.NVML_ERROR_FUNCTION_NOT_FOUND,
+    )
+
+
+def _free_events(p: Any, events: Any) -> None:
+    try:
+        p.nvmlEventSetFree(events)
+    except p.NVMLError:
+        pass  # nothing left to release on a lost GPU
