@@ -85,7 +85,18 @@ def local_cluster_kwargs(
         if "interface" not in kwargs and kwargs.get("processes", True):
             kwargs.setdefault("host", LOOPBACK)
         kwargs.setdefault("dashboard_address", f"{LOOPBACK}:0")
-    return kwargs
+    # Defaults only where the class takes them: a subclass may narrow __init__.
+    return {k: v for k, v in kwargs.items() if k in cluster_kwargs or _accepts(cluster_class, k)}
+
+
+def _accepts(cluster_class: str | Callable[..., Any], name: str) -> bool:
+    if isinstance(cluster_class, str):
+        return True
+    try:
+        parameters = inspect.signature(cluster_class).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def adapt(cluster: Any, adapt_kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,137 @@
+"""Real servers for tests and benchmarks: Debian's PostgreSQL on 127.0.0.1, and a
+``prefect server start`` on loopback backed by it (or by SQLite).
+
+Both are processes of their own, stopped on exit. PostgreSQL refuses to run as root,
+so as root it runs as the ``postgres`` system user the Debian package creates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+PG_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def postgres_missing() -> str | None:
+    """Why a PostgreSQL-backed Prefect server cannot run here, or None if it can."""
+    if not any((d / "initdb").exists() for d in PG_BIN_DIRS):
+        return "PostgreSQL is not installed (Debian's postgresql package: /usr/lib/postgresql/*/bin)"
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root and there is no 'postgres' user to run PostgreSQL as"
+    try:
+        import asyncpg  # noqa: F401
+    except ImportError:
+        return "asyncpg (Prefect's PostgreSQL driver) is not installed"
+    return None
+
+
+def _as_postgres(args: list[str]) -> list[str]:
+    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[str]:
+    """A fresh PostgreSQL cluster on 127.0.0.1; yields its SQLAlchemy URL for Prefect."""
+    bin_dir = next(d for d in PG_BIN_DIRS if (d / "initdb").exists())
+    root = Path(tempfile.mkdtemp(prefix="pg-"))
+    data = root / "data"
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    port = free_port()
+    run = dict(check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    subprocess.run(
+        _as_postgres(
+            [str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "prefect", "-E", "UTF8"]
+        ),
+        **run,
+    )
+    options = f"-h 127.0.0.1 -p {port} -k {root} -c max_connections=200 -c fsync=off"
+    subprocess.run(
+        _as_postgres(
+            [str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start"]
+        ),
+        **run,
+    )
+    try:
+        subprocess.run(
+            _as_postgres(
+                [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect", "prefect"]
+            ),
+            **run,
+        )
+        yield f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
+    finally:
+        subprocess.run(
+            _as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"]),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def prefect_server(database_url: str | None = None, timeout: float = 180) -> Iterator[str]:
+    """``prefect server start`` on 127.0.0.1 (on ``database_url``, else SQLite in a temp
+    dir); yields its API URL once ``/api/health`` answers."""
+    home = Path(tempfile.mkdtemp(prefix="prefect-home-"))
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_DATABASE_CONNECTION_URL": database_url or f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"prefect server did not start ({'exited' if proc.poll() is not None else 'timed out'}): "
+                    + (home / "server.log").read_text()[-2000:]
+                )
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()  # nothing it holds is kept: a short grace, then kill
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        shutil.rmtree(home, ignore_errors=True)
