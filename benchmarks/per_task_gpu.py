@@ -1,0 +1,162 @@
+"""1,000 trivial ``gpu``-tagged task runs against 1,000 untagged ones, through the runner,
+on a Prefect server backed by SQLite and by PostgreSQL.
+
+    python benchmarks/per_task_gpu.py                # 1,000 tasks, 3 rounds each
+    python benchmarks/per_task_gpu.py --tasks 200 --rounds 2
+
+Both servers are ``prefect server start`` on 127.0.0.1 (the same server code the embedded
+one runs), one on SQLite in a temp dir and one on Debian's PostgreSQL, started here on
+127.0.0.1 (``tests/servers.py``). The Dask cluster is the runner's: one worker per GPU
+where there are GPUs, else one CPU worker labelled ``GPU=1``. Each round times submit to
+last result, alternating tagged and untagged, after a warm-up; between rounds the
+server is let catch up on the previous round's events (timed as ``catch_up_s``).
+Prints a table and writes ``benchmarks/results/<date>-<device>-per-task-gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+WARM = 64
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def caught_up(flow_run_id: str, task_runs: int, timeout: float = 300) -> float:
+    """Seconds until the API has recorded ``task_runs`` final task runs of the flow run."""
+    from prefect.client.orchestration import get_client
+
+    start = time.monotonic()
+    only_this = {
+        "flow_runs": {"id": {"any_": [flow_run_id]}},
+        "task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}},
+    }
+    with get_client(sync_client=True) as client:
+        while time.monotonic() - start < timeout:
+            if client.request("POST", "/task_runs/count", json=only_this).json() >= task_runs:
+                break
+            time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def measure(api_url: str, n: int, rounds: int, runner_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    @task
+    def noop(i: int) -> int:
+        return i
+
+    kinds = {"untagged": noop, "tagged": noop.with_options(tags=["gpu"])}
+
+    @flow(task_runner=GPUDaskTaskRunner(guard="off", **runner_kwargs))
+    def batch(kind: str) -> tuple[float, str]:
+        job = kinds[kind]
+        assert all(f.result() < 0 for f in job.map(range(-WARM, 0)))  # every worker thread warm
+        start = time.perf_counter()
+        assert [f.result() for f in job.map(range(n))] == list(range(n))
+        return time.perf_counter() - start, str(FlowRunContext.get().flow_run.id)
+
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    catch_up: list[float] = []
+    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_LOGGING_TO_API_ENABLED: False}):
+        for _ in range(rounds):
+            for kind in kinds:
+                elapsed, flow_run_id = batch(kind)
+                times[kind].append(elapsed)
+                catch_up.append(caught_up(flow_run_id, n + WARM))
+                late = catch_up[-1]
+                print(f"  {kind:9s} {elapsed:7.2f} s (server caught up {late:.1f} s later)", flush=True)
+    out: dict[str, Any] = {}
+    for kind, values in times.items():
+        out[f"{kind}_median_s"] = statistics.median(values)
+        out[f"{kind}_p95_s"] = p95(values)
+        out[f"{kind}_runs_s"] = values
+    out["tagged_over_untagged"] = out["tagged_median_s"] / out["untagged_median_s"]
+    out["catch_up_median_s"] = statistics.median(catch_up)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.tasks < 1 or args.rounds < 1:
+        parser.error(f"--tasks {args.tasks} and --rounds {args.rounds} must be >= 1")
+
+    from benchmarks.run import device_name, versions
+    from prefect_gpu_dask.nvml import visible_gpu_count
+    from tests.servers import postgres_missing, postgres_server, prefect_server
+
+    gpus = visible_gpu_count()
+    runner_kwargs: dict[str, Any] = (
+        {}
+        if gpus
+        else {
+            "cluster_class": "distributed.LocalCluster",
+            "cluster_kwargs": {"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
+        }
+    )
+    result: dict[str, Any] = {
+        "date": date.today().isoformat(),
+        "device": device_name(),
+        "versions": versions(),
+        "tasks": args.tasks,
+        "rounds": args.rounds,
+        "cluster": "LocalCUDACluster" if gpus else "one CPU worker labelled GPU=1, 8 threads",
+    }
+    print(f"sqlite ({args.tasks} tasks x {args.rounds} rounds)", flush=True)
+    with prefect_server() as api:
+        result["sqlite"] = measure(api, args.tasks, args.rounds, runner_kwargs)
+    missing = postgres_missing()
+    if missing:
+        result["postgres"] = {"skipped": missing}
+    else:
+        print("postgres", flush=True)
+        with postgres_server() as database, prefect_server(database) as api:
+            result["postgres"] = measure(api, args.tasks, args.rounds, runner_kwargs)
+
+    result["per_task_gpu_1000"] = {
+        "sqlite_s": result["sqlite"]["tagged_median_s"],
+        "postgres_s": result["postgres"].get("tagged_median_s"),
+        "tagged_over_untagged_sqlite": result["sqlite"]["tagged_over_untagged"],
+        "tagged_over_untagged_postgres": result["postgres"].get("tagged_over_untagged"),
+    }
+    print(f"\n{'database':10s} {'untagged':>16s} {'tagged':>16s} {'ratio':>6s} {'catch-up':>9s}")
+    for name in ("sqlite", "postgres"):
+        r = result[name]
+        if "skipped" in r:
+            print(f"{name:10s} skipped: {r['skipped']}")
+            continue
+        print(
+            f"{name:10s} {r['untagged_median_s']:7.2f} (p95 {r['untagged_p95_s']:5.2f})"
+            f" {r['tagged_median_s']:7.2f} (p95 {r['tagged_p95_s']:5.2f})"
+            f" {r['tagged_over_untagged']:6.2f} {r['catch_up_median_s']:8.1f}s"
+        )
+    slug = result["device"].replace(" ", "-").replace("(", "").replace(")", "").lower()
+    out = ROOT / "benchmarks" / "results" / f"{result['date']}-{slug}-per-task-gpu.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
