@@ -7,10 +7,7 @@ moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import threading
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 # -- Prefect ---------------------------------------------------------------------
@@ -40,56 +37,6 @@ def set_future_final_state(future: Any, state: Any) -> None:
 def future_final_state(future: Any) -> Any:
     """The state set by ``set_future_final_state`` (or Prefect's own), else None."""
     return getattr(future, "_final_state", None)
-
-
-_NO_TAG_LEASE = contextvars.ContextVar("prefect_gpu_dask_no_tag_lease", default=False)
-_lease_switch_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def without_tag_lease() -> Iterator[None]:
-    """Run a task run (in this context) without the engine's tag concurrency call.
-
-    Prefect's task engine asks the API for a lease on ``tag:<tag>`` for every tag of
-    every task run, a write per run even when no limit exists for those tags. The
-    runner uses this only for task runs none of whose tags has a limit; the tags stay on
-    the run. Public replacement: an engine option to skip tag concurrency for tags
-    without limits (the engine calls the module-level ``_concurrency``/``_aconcurrency``).
-    """
-    _install_lease_switch()
-    token = _NO_TAG_LEASE.set(True)
-    try:
-        yield
-    finally:
-        _NO_TAG_LEASE.reset(token)
-
-
-def _install_lease_switch() -> None:
-    import prefect.task_engine as engine
-
-    with _lease_switch_lock:
-        if getattr(engine._concurrency, "lease_switch", False):
-            return
-        sync_concurrency, async_concurrency = engine._concurrency, engine._aconcurrency
-
-        @contextlib.contextmanager
-        def concurrency(*args: Any, **kwargs: Any) -> Iterator[None]:
-            if _NO_TAG_LEASE.get():
-                yield
-                return
-            with sync_concurrency(*args, **kwargs):
-                yield
-
-        @contextlib.asynccontextmanager
-        async def aconcurrency(*args: Any, **kwargs: Any) -> AsyncIterator[None]:
-            if _NO_TAG_LEASE.get():
-                yield
-                return
-            async with async_concurrency(*args, **kwargs):
-                yield
-
-        concurrency.lease_switch = aconcurrency.lease_switch = True  # type: ignore[attr-defined]
-        engine._concurrency, engine._aconcurrency = concurrency, aconcurrency
 
 
 # -- distributed -----------------------------------------------------------------

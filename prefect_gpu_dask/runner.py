@@ -39,7 +39,7 @@ from prefect_gpu_dask.recycling.flow import Recycler, resolved
 from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
 from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
 from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, RestartPolicy, RunnerSettings
-from prefect_gpu_dask.submission import TagLimits, TaskSubmitter
+from prefect_gpu_dask.submission import TaskSubmitter
 from prefect_gpu_dask.taskwrap import stacked, with_around
 from prefect_gpu_dask.verdict import oom_retry_condition
 
@@ -195,7 +195,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._live: reporting.LivePublisher | None = None
         self._made_cluster = False  # a cluster this runner built closes with the flow
         self._submitter = TaskSubmitter()
-        self._tag_limits = TagLimits()
 
     # -- settings round-trip ------------------------------------------------------
     def _arguments(self) -> dict[str, Any]:
@@ -350,11 +349,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
             self._flow_run_id = str(ctx.flow_run.id)
         # Route under the recycler's hold: a worker being recycled is not "missing".
-        tags = task.tags | TagsContext.get().current_tags
         with self._recycler.submissions():
             route = self.router.route(
                 task.name,
-                tags,
+                task.tags | TagsContext.get().current_tags,
                 dask.get_annotations().get("resources"),
                 self._offers,
                 self.settings.on_missing_gpu,
@@ -369,7 +367,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                     self._optimize_futures(parameters),
                     self._optimize_futures(wait_for) if wait_for else None,
                     dependencies,
-                    tag_lease=self._tag_limits.limited(tags),
                 )
         if route.wait_s:
             self._resource_wait.add(wrapped.key, route.resources, route.wait_s)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any
 from uuid import uuid4
 
@@ -134,9 +132,7 @@ class TaskSubmitter:
         parameters: dict[str, Any],
         wait_for: Any,
         dependencies: dict[str, Any] | None,
-        tag_lease: bool = True,
     ) -> distributed.Future:
-        """Send one task run; ``tag_lease=False`` when none of its tags has a limit."""
         task_run_id = uuid4()
         inputs = {
             name: collect_task_run_inputs_sync(value, future_cls=distributed.Future)
@@ -154,51 +150,9 @@ class TaskSubmitter:
             context=self.context(task, task_run_id, inputs),
             key=f"{task.name}-{task_run_id.hex}",
             pure=False,
-            **({} if tag_lease else {"tag_lease": False}),
         )
         future.task_run_id = task_run_id
         return future
-
-
-class TagLimits:
-    """Which tags have a concurrency limit, as last read from the Prefect API.
-
-    Prefect's engine asks the API for a tag concurrency lease for every tagged task run,
-    a write per run even where no limit exists. A run none of whose tags has a limit is
-    sent without that call; its tags stay on the run, for the UI and for filters. Read
-    again every ``max_age_s``: a limit created while the flow runs applies to task runs
-    submitted after the next read. Unknown (the API could not be read) counts as limited.
-    """
-
-    PAGE = 200
-
-    def __init__(self, max_age_s: float = 5.0):
-        self.max_age_s = max_age_s
-        self._tags: frozenset[str] | None = None
-        self._read_at = float("-inf")
-
-    def limited(self, tags: frozenset[str] | set[str]) -> bool:
-        if not tags:
-            return False
-        if time.monotonic() - self._read_at > self.max_age_s:
-            self._tags = self._read()
-            self._read_at = time.monotonic()
-        return self._tags is None or not self._tags.isdisjoint(tags)
-
-    def _read(self) -> frozenset[str] | None:
-        from prefect.client.orchestration import get_client
-
-        try:
-            names: list[str] = []
-            with get_client(sync_client=True) as api:
-                while True:
-                    page = api.read_global_concurrency_limits(limit=self.PAGE, offset=len(names))
-                    names += [limit.name for limit in page if limit.active]
-                    if len(page) < self.PAGE:
-                        break
-        except Exception:
-            return None
-        return frozenset(name.removeprefix("tag:") for name in names if name.startswith("tag:"))
 
 
 _worker_cache: OrderedDict[str, Any] = OrderedDict()
@@ -246,7 +200,7 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     return _cached(f"settings-{shared.token}", build)
 
 
-def run_prefect_task(*, task: Any, context: dict[str, Any], tag_lease: bool = True, **run_kwargs: Any) -> Any:
+def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
     settings, clients = _settings_and_client(context.pop("settings_context"))
@@ -267,12 +221,9 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], tag_lease: bool = Tr
     settings_reset = _SETTINGS.set(settings)
     clients_reset = _CLIENTS.set(clients)
     try:
-        with nullcontext() if tag_lease else _compat.without_tag_lease():
-            if task.isasync:
-                return asyncio.run(
-                    run_task_async(task=task, context=context, return_type="state", **run_kwargs)
-                )
-            return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+        if task.isasync:
+            return asyncio.run(run_task_async(task=task, context=context, return_type="state", **run_kwargs))
+        return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
     except WorkerDiedError as exc:
         # The engine has recorded the crash; the flow gets the same state back.
         return Crashed(message=str(exc))
