@@ -100,8 +100,8 @@ def _accepts(cluster_class: str | Callable[..., Any], name: str) -> bool:
 
 
 def adapt(cluster: Any, adapt_kwargs: dict[str, Any]) -> None:
-    """``cluster.adapt(**adapt_kwargs)``, awaited where it is a coroutine (dask-kubernetes'
-    operator ``KubeCluster``), in the cluster's own event loop."""
+    """``cluster.adapt(**adapt_kwargs)``, awaited where it is a coroutine or returns an
+    awaitable (a cluster class built on an async API), in the cluster's own event loop."""
     if inspect.iscoroutinefunction(cluster.adapt):
         cluster.sync(cluster.adapt, **adapt_kwargs)
         return

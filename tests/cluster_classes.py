@@ -8,8 +8,8 @@ from distributed import LocalCluster
 
 
 class AsyncAdaptCluster(LocalCluster):
-    """A ``LocalCluster`` whose ``adapt`` is a coroutine, as dask-kubernetes' operator
-    ``KubeCluster``'s is."""
+    """A ``LocalCluster`` whose ``adapt`` is a coroutine, as a cluster class built on an
+    async API may have."""
 
     adapted_with: dict[str, Any] | None = None
 
