@@ -107,11 +107,6 @@ class ResourceWait:
                 self._thread.start()
         self._wake.set()
 
-    @property
-    def waiting(self) -> int:
-        """Tasks still within their wait."""
-        return len(self._waiting)
-
     def close(self) -> None:
         self._closed = True
         self._wake.set()
