@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from prefect_gpu_dask.fallback import MissingResourceError
     from prefect_gpu_dask.guard import GPUMemoryGuard
     from prefect_gpu_dask.probe import MemoryProbe, MemorySample, NvmlProbe
-    from prefect_gpu_dask.records import RestartRecord, TaskRecord
+    from prefect_gpu_dask.quarantine import UnhealthyGPUError
+    from prefect_gpu_dask.records import GPUQuarantine, RestartRecord, TaskRecord
     from prefect_gpu_dask.routing import Route, TagRouter, parse_gpu_tag
     from prefect_gpu_dask.runner import GPUDaskTaskRunner
     from prefect_gpu_dask.settings import RunnerSettings
@@ -28,6 +29,8 @@ _HOMES = {
     "RunnerSettings": "settings",
     "TaskRecord": "records",
     "RestartRecord": "records",
+    "GPUQuarantine": "records",
+    "UnhealthyGPUError": "quarantine",
     "Route": "routing",
     "MemoryProbe": "probe",
     "MemorySample": "probe",
@@ -41,6 +44,7 @@ _HOMES = {
 __all__ = [
     "GPUDaskTaskRunner",
     "GPUMemoryGuard",
+    "GPUQuarantine",
     "MemoryProbe",
     "MemorySample",
     "MissingResourceError",
@@ -50,6 +54,7 @@ __all__ = [
     "RunnerSettings",
     "TagRouter",
     "TaskRecord",
+    "UnhealthyGPUError",
     "array_module",
     "compute_on_gpus",
     "gpu_available",

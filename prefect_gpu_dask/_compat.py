@@ -88,6 +88,51 @@ def worker_resources(worker: Any) -> dict[str, float]:
     return dict(worker.state.total_resources)
 
 
+def set_worker_resources(dask_scheduler: Any, worker: str, resources: dict[str, float]) -> None:
+    """Change what a worker offers, on the scheduler only, keeping its running tasks'
+    resources counted (its own state still runs what it holds).
+
+    Public replacement: ``Scheduler.add_resources``, which also zeroes the counts of
+    resources its running tasks use.
+    """
+    ws = dask_scheduler.workers[worker]
+    for name, amount in resources.items():
+        ws.resources[name] = amount
+        ws.used_resources.setdefault(name, 0)
+        dask_scheduler.resources.setdefault(name, {})[worker] = amount
+
+
+async def run_on_scheduler_from_worker(dask_worker: Any, function: Any, **kwargs: Any) -> Any:
+    """``Client.run_on_scheduler`` from a worker's event loop, over its scheduler RPC.
+
+    Public replacement: ``distributed.get_client().run_on_scheduler`` (a client of its
+    own per worker, and blocking where this awaits).
+    """
+    from distributed.core import clean_exception
+    from distributed.protocol.pickle import dumps
+
+    response = await dask_worker.scheduler.run_function(
+        function=dumps(function), args=dumps(()), kwargs=dumps(kwargs), wait=True
+    )
+    if response["status"] == "error":
+        _, exc, tb = clean_exception(**response)
+        raise exc.with_traceback(tb)
+    return response["result"]
+
+
+def current_task_restrictions() -> dict[str, float] | None:
+    """In a Dask task: the resources it asked for. Public replacement: a task-level
+    ``get_task_resources()`` (the worker keeps them on its state machine's task)."""
+    import distributed
+
+    try:
+        worker = distributed.get_worker()
+        ts = worker.state.tasks.get(worker.get_current_task())
+    except (ValueError, AttributeError, KeyError):
+        return None
+    return ts.resource_restrictions if ts is not None else None
+
+
 def send_pending(comm: Any) -> bool:
     """Whether a ``BatchedSend`` still holds unsent messages."""
     return bool(getattr(comm, "buffer", None))

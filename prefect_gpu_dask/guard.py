@@ -25,6 +25,7 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
+from prefect_gpu_dask.health import HealthMonitor
 from prefect_gpu_dask.probe import (
     AllocatorBytes,
     MemoryProbe,
@@ -32,6 +33,7 @@ from prefect_gpu_dask.probe import (
     allocator_reader,
     process_sampler,
 )
+from prefect_gpu_dask.quarantine import HealthWatch
 from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling.worker import drain, wait_for_released_memory
 from prefect_gpu_dask.settings import RunnerSettings
@@ -156,6 +158,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.tasks_run = 0
         self._tickets = itertools.count(1)  # next() is atomic: worker threads begin at once
         self._sampler: PeakSampler | None = None
+        self.health: HealthWatch | None = None
         self._read_process: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
         # (task name, worker thread) that already left growth outside every allocator,
@@ -184,6 +187,23 @@ class GPUMemoryGuard(WorkerPlugin):
         self._read_process = process_sampler(self.probe)
         self._read_allocators = allocator_reader(self.probe)
         self._sampler = PeakSampler(self.probe)
+        self._watch_health(worker)
+
+    def _watch_health(self, worker: Any) -> None:
+        reader = getattr(self.probe, "health_reader", None)
+        if self.settings.health_check_s is None or reader is None:
+            return
+        try:
+            monitor = HealthMonitor(reader())
+        except Exception as exc:  # NVML cannot judge this GPU: memory is still guarded
+            logger.warning("GPU health checks off on %s: %s", worker.address, exc)
+            return
+        self.health = HealthWatch(monitor, worker, self.probe.gpu, self.settings.health_check_s)
+        self.health.start()
+
+    async def teardown(self, worker: Any) -> None:
+        if self.health is not None:
+            self.health.close()
 
     # -- around one task ----------------------------------------------------------
     @property
@@ -238,7 +258,8 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def report(self, record: TaskRecord) -> None:
         self.worker.log_event(RECORD_TOPIC, record.to_event())
-        if record.restart_reason and self.settings.restart == "worker":
+        quarantined = self.health is not None and self.health.quarantine is not None
+        if record.restart_reason and self.settings.restart == "worker" and not quarantined:
             # Start nothing new here from now on: the flow restarts this worker once
             # what it runs has finished. Queued before this task returns, so the next
             # task waiting for this one's slot never starts here.

@@ -91,7 +91,9 @@ class MemoryProbe(Protocol):
     device figures may be 0. The guard reads through ``process_sampler`` where only
     ``judged`` matters (before a task, peaks during one) and ``sample()`` after. A probe
     that models its own allocator offers ``allocator_bytes() -> AllocatorBytes``;
-    otherwise the guard asks the loaded libraries (``loaded_allocator_bytes``).
+    otherwise the guard asks the loaded libraries (``loaded_allocator_bytes``). A probe
+    that can judge its GPU's health offers ``health_reader() -> () -> HealthReadings``
+    (``health.py``); without one, the worker's GPU is not health-checked.
     """
 
     gpu: GPUIdentity
@@ -142,6 +144,12 @@ class NvmlProbe:
 
     def process_pids(self) -> list[int]:
         return nvml.process_pids(self._handle)
+
+    def health_reader(self) -> Callable[[], Any]:
+        """This GPU's health readings, for ``health.HealthMonitor``."""
+        from prefect_gpu_dask.health import NvmlHealthReader
+
+        return NvmlHealthReader(self._handle)
 
 
 def open_probe() -> NvmlProbe | None:

@@ -18,6 +18,7 @@ VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
 # The Dask worker-event topics records travel on, worker -> flow.
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 HUNG_TOPIC = "prefect-gpu-dask-hung"
+UNHEALTHY_TOPIC = "prefect-gpu-dask-unhealthy"
 
 
 def format_bytes(n: int) -> str:
@@ -92,6 +93,51 @@ class HungTask:
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> HungTask:
         return cls(**{f.name: event[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class GPUQuarantine:
+    """A GPU found unhealthy by its worker's health check, and what became of its worker.
+
+    ``withdrawn``: the worker's GPU resources were set to 0 on the scheduler, so its
+    ``gpu`` tasks go to healthy GPUs. False while no other worker offers a GPU: the
+    worker keeps them, and ``gpu`` tasks reaching it fail at once (``UnhealthyGPUError``)
+    instead of waiting for a GPU that will not come.
+    """
+
+    worker: str
+    worker_name: str
+    pid: int
+    gpu_index: int
+    gpu_uuid: str
+    reasons: tuple[str, ...]
+    warnings: tuple[str, ...]
+    withdrawn: bool
+    healthy_gpu_workers: int  # other workers still offering a GPU when this one was judged
+    time: float  # wall clock, seconds since the epoch
+
+    @property
+    def flow_run_id(self) -> None:
+        return None  # a GPU belongs to no one flow run
+
+    @property
+    def task_run_id(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        where = f"GPU {self.gpu_index} ({self.gpu_uuid}) on worker {self.worker_name}"
+        return f"{where}: {'; '.join(self.reasons)}"
+
+    def to_event(self) -> dict[str, Any]:
+        event = asdict(self)
+        event["reasons"], event["warnings"] = list(self.reasons), list(self.warnings)
+        return event
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> GPUQuarantine:
+        values = {f.name: event[f.name] for f in fields(cls)}
+        values["reasons"], values["warnings"] = tuple(values["reasons"]), tuple(values["warnings"])
+        return cls(**values)
 
 
 @dataclass(frozen=True)

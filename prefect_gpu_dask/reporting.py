@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from prefect_gpu_dask.records import LEAK, VERDICTS, RestartRecord, TaskRecord, format_bytes
+from prefect_gpu_dask.records import LEAK, VERDICTS, GPUQuarantine, RestartRecord, TaskRecord, format_bytes
 
 TABLE_KEY = "gpu-memory"
 SUMMARY_KEY = "gpu-memory-summary"
 LEAK_EVENT = "prefect-gpu-dask.leak.detected"
 RESTART_EVENT = "prefect-gpu-dask.worker.restarted"
+UNHEALTHY_EVENT = "prefect-gpu-dask.gpu.unhealthy"
 TABLE_COLUMNS = (
     "task_run_name",
     "verdict",
@@ -43,7 +44,10 @@ TABLE_COLUMNS = (
 )
 
 
-def _related(record: TaskRecord | RestartRecord) -> list[dict[str, str]]:
+Described = TaskRecord | RestartRecord | GPUQuarantine
+
+
+def _related(record: Described) -> list[dict[str, str]]:
     related = []
     if record.flow_run_id:
         related.append(
@@ -62,7 +66,7 @@ def _related(record: TaskRecord | RestartRecord) -> list[dict[str, str]]:
     return related
 
 
-def _gpu_resource(record: TaskRecord | RestartRecord) -> dict[str, str]:
+def _gpu_resource(record: Described) -> dict[str, str]:
     return {
         "prefect.resource.id": f"prefect-gpu-dask.gpu.{record.gpu_uuid or 'unknown'}",
         "prefect.resource.name": f"GPU {record.gpu_index} on {record.worker}",
@@ -90,6 +94,16 @@ def emit_restart_event(restart: RestartRecord) -> None:
         resource=_gpu_resource(restart),
         related=_related(restart),
         payload=restart.to_payload(),
+    )
+
+
+def emit_unhealthy_event(quarantine: GPUQuarantine) -> None:
+    from prefect.events import emit_event
+
+    emit_event(
+        event=UNHEALTHY_EVENT,
+        resource=_gpu_resource(quarantine),
+        payload=quarantine.to_event(),
     )
 
 
@@ -157,7 +171,11 @@ class LivePublisher:
                 self.logger.debug("Could not publish the record of %s: %s", record.task_run_name, exc)
 
 
-def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRecord]) -> str:
+def summary_markdown(
+    records: Sequence[TaskRecord],
+    restarts: Sequence[RestartRecord],
+    quarantines: Sequence[GPUQuarantine] = (),
+) -> str:
     per_gpu: dict[str, Counter] = defaultdict(Counter)
     for record in records:
         per_gpu[f"GPU {record.gpu_index} ({record.gpu_uuid})"][record.verdict] += 1
@@ -191,6 +209,13 @@ def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRe
         + f"replacement serving after {r.serving_s:.2f} s)"
         for r in restarts
     ] or ["None."]
+    lines += ["", "## Quarantined GPUs", ""]
+    lines += [
+        f"- {q.describe()} ("
+        + ("its gpu tasks went to healthy GPUs" if q.withdrawn else "no healthy GPU was left")
+        + ")"
+        for q in quarantines
+    ] or ["None."]
     lines += [
         "",
         "## Top memory consumers",
@@ -206,7 +231,10 @@ def summary_markdown(records: Sequence[TaskRecord], restarts: Sequence[RestartRe
 
 
 def publish_artifacts(
-    flow_run_id: str, records: Sequence[TaskRecord], restarts: Sequence[RestartRecord]
+    flow_run_id: str,
+    records: Sequence[TaskRecord],
+    restarts: Sequence[RestartRecord],
+    quarantines: Sequence[GPUQuarantine] = (),
 ) -> None:
     """Attach the records to the flow run as a table and a markdown summary."""
     from prefect.artifacts import MarkdownArtifact, TableArtifact
@@ -222,7 +250,7 @@ def publish_artifacts(
         ).create()
         MarkdownArtifact(
             key=SUMMARY_KEY,
-            markdown=summary_markdown(records, restarts),
-            description="GPUs used, leaks, restarts (prefect-gpu-dask)",
+            markdown=summary_markdown(records, restarts, quarantines),
+            description="GPUs used, leaks, restarts, quarantined GPUs (prefect-gpu-dask)",
             flow_run_id=flow_run_id,
         ).create()

@@ -299,6 +299,11 @@ class WorkerOffers:
     def refresh(self) -> list[Resources]:
         return self.latest(max_age_s=0)
 
+    def refresh_soon(self) -> None:
+        """Ask the scheduler again in the background (safe on the client's event loop)."""
+        self.asked_at = float("-inf")
+        self._soon()
+
     def can_serve(self, resources: Mapping[str, float]) -> bool:
         if satisfiable(resources, self._soon()):
             return True

@@ -34,7 +34,15 @@ from prefect_gpu_dask.deadline import deadline
 from prefect_gpu_dask.fallback import MissingResourceError, ResourceWait, falling_back
 from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
 from prefect_gpu_dask.labels import GPULabels
-from prefect_gpu_dask.records import HUNG_TOPIC, RECORD_TOPIC, HungTask, RestartRecord, TaskRecord
+from prefect_gpu_dask.records import (
+    HUNG_TOPIC,
+    RECORD_TOPIC,
+    UNHEALTHY_TOPIC,
+    GPUQuarantine,
+    HungTask,
+    RestartRecord,
+    TaskRecord,
+)
 from prefect_gpu_dask.recycling.flow import Recycler, resolved
 from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
 from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
@@ -81,9 +89,15 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             on top of the task's own ``retries``.
         gpu_wait_s: seconds a task waits for a worker offering its resources on a
             cluster that can still grow, before ``on_missing_gpu`` applies.
+        health_check_s: seconds between each GPU worker's NVML health checks (ECC,
+            row remapping, critical Xids, a lost GPU, hardware slowdown), which also
+            run before every ``gpu`` task; ``None`` turns them off. A sick GPU is
+            quarantined: its ``gpu`` tasks move to healthy GPUs, or fail at once
+            (``UnhealthyGPUError``) when none is left.
 
-    After a flow run, ``runner.records`` holds its ``TaskRecord``s and
-    ``runner.restarts`` the ``RestartRecord``s of the workers it recycled.
+    After a flow run, ``runner.records`` holds its ``TaskRecord``s,
+    ``runner.restarts`` the ``RestartRecord``s of the workers it recycled and
+    ``runner.quarantines`` the ``GPUQuarantine``s of GPUs found unhealthy.
 
     Examples:
         Route a task to a GPU; it runs on CPU where there is none:
@@ -137,6 +151,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         memory_probe: str | Callable[[], Any] | None = None,
         oom_retries: int = 0,
         gpu_wait_s: float = 60.0,
+        health_check_s: float | None = 30.0,
     ):
         self.settings = RunnerSettings(
             tag_resources=tag_resources if tag_resources is not None else {},
@@ -149,6 +164,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             memory_probe=memory_probe,
             oom_retries=oom_retries,
             gpu_wait_s=gpu_wait_s,
+            health_check_s=health_check_s,
         )
         if security is not None and not isinstance(security, distributed.Security):
             raise ValueError(f"security={security!r} is not a distributed.Security")
@@ -240,6 +256,17 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         events = self._client.get_events(RECORD_TOPIC)
         records = (TaskRecord.from_event(event) for _, event in events)
         return tuple(r for r in records if r.flow_run_id == self._flow_run_id)
+
+    @property
+    def quarantines(self) -> tuple[GPUQuarantine, ...]:
+        """GPUs found unhealthy in this runner's cluster, the latest word on each."""
+        if self._client is None or not self._guard_on:
+            return ()
+        latest = {}
+        for _, event in self._client.get_events(UNHEALTHY_TOPIC):
+            record = GPUQuarantine.from_event(event)
+            latest[record.worker] = record
+        return tuple(sorted(latest.values(), key=lambda q: q.time))
 
     @property
     def worker_offers(self) -> WorkerOffers | None:
@@ -336,10 +363,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             return
         # Registered on the scheduler: workers that join later get it too, and each
         # decides for itself whether it has a GPU to guard.
-        client.register_plugin(GPUMemoryGuard(self.settings), name=PLUGIN_NAME)
         self._live = reporting.LivePublisher(self.logger)
+        # Heard before the guards start: a GPU found sick at setup is reported at once.
         client.subscribe_topic(RECORD_TOPIC, self._on_record)
+        client.subscribe_topic(UNHEALTHY_TOPIC, self._on_unhealthy)
+        client.register_plugin(GPUMemoryGuard(self.settings), name=PLUGIN_NAME)
         self._guard_on = True
+        for quarantine in self.quarantines:  # found before this flow, on a shared cluster
+            self._recycler.leave_alone(quarantine.worker, "its GPU is quarantined")
 
     # -- submission ---------------------------------------------------------------
     def submit(self, task, parameters, wait_for=None, dependencies=None):  # type: ignore[override]
@@ -427,6 +458,29 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if record.restart_reason:
             self._recycler.request(record.worker, record.restart_reason, record)
 
+    def _on_unhealthy(self, event: tuple[float, dict[str, Any]]) -> None:
+        quarantine = GPUQuarantine.from_event(event[1])
+        self._recycler.leave_alone(quarantine.worker, "its GPU is quarantined")
+        self._offers.refresh_soon()
+        if quarantine.withdrawn:
+            self.logger.error(
+                "Quarantined %s. Its gpu tasks go to the %d other GPU worker(s)",
+                quarantine.describe(),
+                quarantine.healthy_gpu_workers,
+            )
+        else:
+            self.logger.error(
+                "Quarantined %s. No healthy GPU is left: gpu tasks fail with UnhealthyGPUError",
+                quarantine.describe(),
+            )
+        # Off Dask's event loop: the event goes out through the flow's Prefect client.
+        threading.Thread(
+            target=self._flow_context.copy().run,
+            args=(reporting.emit_unhealthy_event, quarantine),
+            name="gpu-unhealthy",
+            daemon=True,
+        ).start()
+
     def _on_hung(self, event: tuple[float, dict[str, Any]]) -> None:
         hung = HungTask.from_event(event[1])
         if self._flow_run_id and hung.flow_run_id not in (None, self._flow_run_id):
@@ -504,9 +558,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             if self._live is not None:
                 self._live.close()
             if self._guard_on and self._flow_run_id and connected:
-                records, restarts = self.records, self.restarts
-                if records or restarts:
-                    reporting.publish_artifacts(self._flow_run_id, records, restarts)
+                records, restarts, quarantines = self.records, self.restarts, self.quarantines
+                if records or restarts or quarantines:
+                    reporting.publish_artifacts(self._flow_run_id, records, restarts, quarantines)
         except Exception:
             self.logger.exception("Could not publish the GPU memory report")
         finally:

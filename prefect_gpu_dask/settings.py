@@ -86,6 +86,8 @@ class RunnerSettings:
             top of its own ``retries`` (which keep counting its other failures).
         gpu_wait_s: on a cluster that can still grow, how long a task whose resources no
             worker offers waits for one to join before ``on_missing_gpu`` applies.
+        health_check_s: seconds between a GPU worker's NVML health checks on a timer
+            (each ``gpu`` task is also checked before it starts); None: no checks.
         settle_s: how long the guard lets the driver settle before confirming a leak.
     """
 
@@ -99,6 +101,7 @@ class RunnerSettings:
     memory_probe: str | ProbeFactory | None = None
     oom_retries: int = 0
     gpu_wait_s: float = 60.0
+    health_check_s: float | None = 30.0
     settle_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -125,6 +128,11 @@ class RunnerSettings:
         wait = self.gpu_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < math.inf:
             raise ValueError(f"gpu_wait_s {wait!r} must be a number of seconds >= 0")
+        every = self.health_check_s
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, (int, float)) or not 0 < every < math.inf
+        ):
+            raise ValueError(f"health_check_s {every!r} must be a number of seconds > 0, or None")
         settle = self.settle_s
         if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
             raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")

@@ -26,6 +26,7 @@ from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.quarantine import screen
 from prefect_gpu_dask.recycling.worker import WorkerDiedError, died_on, refusal
 from prefect_gpu_dask.taskwrap import with_around
 
@@ -203,6 +204,7 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
 def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
+    task = screen(task, _compat.current_task_restrictions())  # a sick GPU's work goes elsewhere
     settings, clients = _settings_and_client(context.pop("settings_context"))
     if (dead := died_on()) is not None:
         # Dask sends back every task the dead worker held. One that never started there

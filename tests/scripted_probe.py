@@ -10,14 +10,21 @@ workspaces are.
 
 from __future__ import annotations
 
+import json
+import os
 import weakref
+from pathlib import Path
 
+from prefect_gpu_dask.health import HealthReadings
 from prefect_gpu_dask.probe import AllocatorBytes, GPUIdentity, MemorySample
 
 TOTAL = 16 * 2**30
 LEAKED: list[FakeBlock] = []
 # The runner's memory_probe for tests: workers import it by this path.
 FAKE_PROBE = "tests.scripted_probe:fake_probe"
+# A directory where ``<worker name>.json`` holds that worker's GPU health readings
+# (``HealthReadings`` fields); no file: healthy.
+HEALTH_DIR_ENV = "FAKE_GPU_HEALTH_DIR"
 
 
 class FakeBlock:
@@ -38,6 +45,35 @@ class FakeDeviceProbe:
 
     def allocator_bytes(self) -> AllocatorBytes:
         return AllocatorBytes(owned=sum(b.nbytes for b in list(FakeBlock.live) if b.pooled))
+
+    def health_reader(self) -> ScriptedHealth:
+        from distributed import Worker
+
+        [worker] = list(Worker._instances)
+        return ScriptedHealth(str(worker.name))
+
+
+class ScriptedHealth:
+    """Health readings a test writes to ``$FAKE_GPU_HEALTH_DIR/<worker name>.json``."""
+
+    limits = ()
+
+    def __init__(self, worker_name: str):
+        self.path = Path(os.environ.get(HEALTH_DIR_ENV, "/nonexistent")) / f"{worker_name}.json"
+
+    def __call__(self) -> HealthReadings:
+        try:
+            values = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            values = {}
+        if "xid_events" in values:
+            values["xid_events"] = tuple(values["xid_events"])
+        return HealthReadings(FakeDeviceProbe.gpu.uuid, **values)
+
+
+def make_sick(directory: Path, worker_name: str, **readings: object) -> None:
+    """Script ``worker_name``'s GPU to read as ``readings`` from its next check on."""
+    (directory / f"{worker_name}.json").write_text(json.dumps(readings))
 
 
 def fake_probe() -> FakeDeviceProbe | None:

@@ -78,6 +78,7 @@ class Recycler:
         self._pending: set[str] = set()
         # Hung tasks per worker: only the process's end frees their threads, whatever the policy.
         self._stuck: dict[str, set[str]] = {}
+        self._left_alone: dict[str, str] = {}  # worker -> why it is never restarted
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
@@ -95,6 +96,10 @@ class Recycler:
         and no submission comes to depend on a worker between its checks and restart."""
         with self._lock:
             yield
+
+    def leave_alone(self, worker: str, why: str) -> None:
+        """Never restart ``worker`` (a restart would bring it back onto the same GPU)."""
+        self._left_alone[worker] = why
 
     def track(self, key: str, future: Any) -> None:
         self._futures[key] = future
@@ -115,6 +120,9 @@ class Recycler:
         elif self.policy == "never":
             return
         if worker in self._pending or self._closing.is_set():
+            return
+        if (why := self._left_alone.get(worker)) is not None:
+            self.logger.info("Not recycling %s (%s): %s", worker, reason, why)
             return
         self._pending.add(worker)
         if self._thread is None:

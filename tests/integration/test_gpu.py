@@ -382,3 +382,43 @@ def test_workers_advertise_their_gpu_model_and_memory_and_tags_route_on_them():
     assert offered and all(r[model_resource(model)] == 1 and r["GPU-MEM"] == total for r in offered)
     assert all(r["sum"] == 285 for r in reports)
     assert too_big.is_failed() and "GPU-MEM" in too_big.message
+
+
+@task(tags=["gpu"])
+def health_on_this_worker(checks: int) -> dict:
+    import statistics
+
+    from prefect_gpu_dask.guard import current_guard
+
+    watch = current_guard().health
+    timings = []
+    for _ in range(checks):
+        started = time.perf_counter()
+        verdict = watch.monitor.check()
+        timings.append(time.perf_counter() - started)
+    return {
+        "healthy": verdict.healthy,
+        "reasons": verdict.reasons,
+        "warnings": verdict.warnings,
+        "limits": watch.monitor.limits,
+        "median_us": statistics.median(timings) * 1e6,
+        "p95_us": sorted(timings)[int(0.95 * (checks - 1))] * 1e6,
+        "quarantined": watch.quarantine is not None,
+    }
+
+
+def test_real_gpu_health_is_checked_through_nvml_and_healthy_gpus_run_their_tasks():
+    """Every GPU worker's guard holds an NVML health watch; on a healthy GPU nothing is
+    quarantined and every gpu task runs. Prints what NVML let it check and a check's cost."""
+
+    @flow(task_runner=GPUDaskTaskRunner(health_check_s=0.5))
+    def checked():
+        reports = [health_on_this_worker.submit(2000).result() for _ in range(2)]
+        time.sleep(1.5)  # a few timer checks
+        return reports, FlowRunContext.get().task_runner.quarantines
+
+    reports, quarantines = checked()
+    for report in reports:
+        print("health:", report)
+    assert quarantines == ()
+    assert all(r["healthy"] and not r["quarantined"] for r in reports)

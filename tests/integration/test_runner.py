@@ -229,6 +229,7 @@ ARGUMENTS = dict(
     allow_insecure=False,
     oom_retries=2,
     gpu_wait_s=12.5,
+    health_check_s=7.5,
 )
 
 

@@ -168,3 +168,10 @@ def test_route_waits_for_a_cluster_that_can_grow_and_falls_back_at_once_otherwis
 def test_gpu_wait_must_be_seconds(bad):
     with pytest.raises(ValueError, match=r"gpu_wait_s .* must be a number of seconds"):
         RunnerSettings(gpu_wait_s=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "30", True])
+def test_health_check_interval_must_be_positive_seconds_or_none(bad):
+    with pytest.raises(ValueError, match=r"health_check_s .* must be a number of seconds > 0, or None"):
+        RunnerSettings(health_check_s=bad)
+    assert RunnerSettings(health_check_s=None).health_check_s is None

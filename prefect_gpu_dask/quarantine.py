@@ -1,0 +1,212 @@
+"""Sick GPUs: checked on their worker, quarantined once, and their ``gpu`` tasks moved on.
+
+- worker: ``HealthWatch``, held by the worker's guard, judges its GPU through
+  ``health.HealthMonitor`` on a timer and, through ``screen``, right before each task
+  that asked for a GPU. The first unhealthy verdict quarantines the GPU, once; the
+  worker is never restarted onto it (the recycler leaves it alone) and reports a
+  ``GPUQuarantine`` to the flow.
+- scheduler: ``withdraw`` sets the worker's GPU resources to 0, so no ``gpu`` task is
+  sent there again, unless no other worker offers a GPU: then the worker keeps them,
+  so ``gpu`` tasks still reach it and fail at once instead of waiting for a GPU that
+  will not come.
+- worker, per task (``submission.run_prefect_task``): a ``gpu`` task on a quarantined
+  GPU goes back to the scheduler (``distributed.Reschedule``) before Prefect's engine
+  starts, to run on a healthy GPU, or, with none left, fails with ``UnhealthyGPUError``.
+- flow: the runner logs each ``GPUQuarantine``, emits ``prefect-gpu-dask.gpu.unhealthy``
+  and lists it in the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prefect_gpu_dask.health import HealthMonitor, HealthVerdict
+from prefect_gpu_dask.records import UNHEALTHY_TOPIC, GPUQuarantine
+from prefect_gpu_dask.routing import GPU_RESOURCE
+
+logger = logging.getLogger("prefect_gpu_dask.quarantine")
+TIMER_NAME = "prefect-gpu-dask-health"
+
+
+class UnhealthyGPUError(RuntimeError):
+    """A ``gpu`` task reached a quarantined GPU and no healthy one is left in the cluster."""
+
+
+# -- scheduler -------------------------------------------------------------------------
+
+
+def withdraw(dask_scheduler: Any, worker: str) -> dict[str, Any]:
+    """Set ``worker``'s GPU resources to 0 unless no other worker offers a GPU.
+
+    Runs on the scheduler's event loop, so two GPUs found sick at once cannot both
+    give theirs up and leave ``gpu`` tasks waiting forever.
+    """
+    from prefect_gpu_dask._compat import set_worker_resources
+
+    if worker not in dask_scheduler.workers:
+        return {"withdrawn": False, "others": 0, "known": False}
+    others = sum(
+        1
+        for address, amount in dask_scheduler.resources.get(GPU_RESOURCE, {}).items()
+        if address != worker and amount > 0
+    )
+    if others:
+        ws = dask_scheduler.workers[worker]
+        gpu_names = [name for name in ws.resources if name == GPU_RESOURCE or name.startswith("GPU-")]
+        set_worker_resources(dask_scheduler, worker, dict.fromkeys(gpu_names, 0))
+    return {"withdrawn": bool(others), "others": others, "known": True}
+
+
+# -- worker ----------------------------------------------------------------------------
+
+
+class HealthWatch:
+    """One GPU worker's health checks and, once it is sick, its quarantine."""
+
+    def __init__(self, monitor: HealthMonitor, worker: Any, gpu: Any, interval_s: float):
+        self.monitor = monitor
+        self.worker = worker
+        self.gpu = gpu
+        self.interval_s = interval_s
+        self.quarantine: GPUQuarantine | None = None
+        self._verdict: HealthVerdict | None = None
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._withdrawing: asyncio.Future | None = None
+
+    def start(self) -> None:
+        """On the worker's event loop: check now, then every ``interval_s``."""
+        from tornado.ioloop import PeriodicCallback
+
+        for limit in self.monitor.limits:
+            logger.info("GPU health on %s: %s", self.worker.address, limit)
+        timer = PeriodicCallback(self._tick, self.interval_s * 1000)
+        self.worker.periodic_callbacks[TIMER_NAME] = timer
+        timer.start()
+        self.worker.loop.add_callback(self._tick)
+
+    def close(self) -> None:
+        timer = self.worker.periodic_callbacks.pop(TIMER_NAME, None)
+        if timer is not None:
+            timer.stop()
+        self.monitor.close()
+
+    def check(self) -> HealthVerdict | None:
+        """Judge the GPU now; the unhealthy verdict is kept (a quarantine never lifts)."""
+        with self._lock:
+            if self._verdict is not None:
+                return self._verdict
+            verdict = self.monitor.check()
+            for warning in set(verdict.warnings) - self._warned:
+                self._warned.add(warning)
+                logger.warning("GPU %s on %s: %s", self.gpu.uuid, self.worker.address, warning)
+            if verdict.healthy:
+                return None
+            self._verdict = verdict
+            return verdict
+
+    async def _tick(self) -> None:
+        try:
+            if self.check() is not None and (self.quarantine is None or not self.quarantine.withdrawn):
+                await self.withdraw()
+        except Exception:  # a failing check must never break the worker
+            logger.exception("GPU health check failed on %s", self.worker.address)
+
+    async def withdraw(self) -> GPUQuarantine:
+        """Quarantine this worker's GPU (once), or retry giving its GPU up to others."""
+        if self._withdrawing is None or self._withdrawing.done():
+            self._withdrawing = asyncio.ensure_future(self._withdraw())
+        return await asyncio.shield(self._withdrawing)
+
+    async def _withdraw(self) -> GPUQuarantine:
+        from prefect_gpu_dask._compat import run_on_scheduler_from_worker
+
+        verdict = self._verdict
+        assert verdict is not None
+        try:
+            answer = await run_on_scheduler_from_worker(self.worker, withdraw, worker=self.worker.address)
+        except Exception as exc:  # e.g. prefect-gpu-dask missing on the scheduler: keep the GPU, refuse
+            logger.warning("Could not withdraw the GPU of %s on the scheduler: %r", self.worker.address, exc)
+            answer = {"withdrawn": False, "others": 0}
+        first = self.quarantine is None
+        record = GPUQuarantine(
+            worker=self.worker.address,
+            worker_name=str(self.worker.name),
+            pid=os.getpid(),
+            gpu_index=self.gpu.index,
+            gpu_uuid=self.gpu.uuid,
+            reasons=verdict.reasons,
+            warnings=verdict.warnings,
+            withdrawn=answer["withdrawn"],
+            healthy_gpu_workers=answer["others"],
+            time=time.time() if first else self.quarantine.time,
+        )
+        if first or record.withdrawn != self.quarantine.withdrawn:
+            self.quarantine = record
+            self.worker.log_event(UNHEALTHY_TOPIC, record.to_event())
+            logger.error(
+                "Quarantined %s: %s",
+                record.describe(),
+                "its gpu tasks go to healthy GPUs"
+                if record.withdrawn
+                else "no healthy GPU is left, gpu tasks sent here fail",
+            )
+        return self.quarantine
+
+    def screen(self) -> GPUQuarantine | None:
+        """In a worker thread, before a ``gpu`` task: this GPU's quarantine, if it is sick."""
+        if self.check() is None:
+            return None
+        if self.quarantine is None or not self.quarantine.withdrawn:
+            from distributed.utils import sync
+
+            sync(self.worker.loop, self.withdraw)  # a healthy GPU may have joined since
+        return self.quarantine
+
+
+def screen(task: Any, restrictions: Mapping[str, float] | None) -> Any:
+    """Before a task run starts on this worker: the task to run.
+
+    A task that asked for a GPU, on a quarantined one, goes back to the scheduler
+    (``distributed.Reschedule``) where a healthy GPU took over, or is cloned to fail
+    with ``UnhealthyGPUError`` where none is left. Anything else runs as it is.
+    """
+    if not restrictions or restrictions.get(GPU_RESOURCE, 0) <= 0:
+        return task
+    from prefect_gpu_dask.guard import current_guard
+
+    guard = current_guard()
+    watch = guard.health if guard is not None else None
+    quarantine = watch.screen() if watch is not None else None
+    if quarantine is None:
+        return task
+    if quarantine.withdrawn:
+        import distributed
+
+        logger.warning("%s goes back to the scheduler: quarantined %s", task.name, quarantine.describe())
+        raise distributed.Reschedule()  # Prefect's engine never saw it start
+    from prefect_gpu_dask.taskwrap import with_around
+
+    return with_around(task, failing(quarantine), retries=0)
+
+
+def failing(quarantine: GPUQuarantine) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the GPU."""
+    message = (
+        f"Quarantined {quarantine.describe()}. No healthy GPU is left in the cluster, so "
+        "this gpu task was not run."
+    )
+
+    @contextlib.contextmanager
+    def refuse() -> Iterator[None]:
+        raise UnhealthyGPUError(message)
+        yield  # never reached: the task's function does not run
+
+    return refuse
