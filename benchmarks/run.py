@@ -5,7 +5,9 @@
 
 Prints a table and writes ``benchmarks/results/<date>-<device>.json`` plus the headline
 figures to ``benchmarks/results/summary.json``. "Warm" means: the cluster is already
-up and the same computation ran once before; each figure is the best of ``--repeat``.
+up and the same computation ran once before; each figure is the median of ``--repeat``
+runs, with the p95 beside it where the spread matters (the speed-cube through the
+runner, leak to serving).
 """
 
 from __future__ import annotations
@@ -30,14 +32,35 @@ GiB = 2**30
 
 
 # -- helpers ----------------------------------------------------------------------
-def best_of(fn, repeat: int) -> float:
+def runs_of(fn, repeat: int) -> list[float]:
     fn()  # warm-up: imports, kernels, pools
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def median_of(fn, repeat: int) -> float:
+    return statistics.median(runs_of(fn, repeat))
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    median = statistics.median(values)
+    return {
+        "median_s": median,
+        "p95_s": p95(values),
+        "p95_over_median": p95(values) / median,
+        "max_s": max(values),
+        "runs": len(values),
+        "runs_s": [round(v, 4) for v in values],
+    }
 
 
 def device_name() -> str:
@@ -87,28 +110,35 @@ def check_cube(value: Any) -> float:
 def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> dict[str, Any]:
     out: dict[str, Any] = {"n": n, "chunk": chunk, "cpu_n": cpu_n}
     # The host's cores, threads scheduler, NumPy.
-    cpu_s = best_of(lambda: check_cube(speed_cube_expr(cpu_n, chunk, False).compute(scheduler="threads")), 1)
+    cpu_s = median_of(
+        lambda: check_cube(speed_cube_expr(cpu_n, chunk, False).compute(scheduler="threads")), 1
+    )
     out["cpu_threads_s"] = cpu_s * (n / cpu_n) ** 2  # scaled to the full size if run smaller
     out["cpu_threads_measured_s"] = cpu_s
     if not gpu:
         return out
-    out["raw_threads_s"] = best_of(
+    out["raw_threads_s"] = median_of(
         lambda: check_cube(speed_cube_expr(n, chunk, True).compute(scheduler="threads")), repeat
     )
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
     with LocalCUDACluster(threads_per_worker=GPU_WORKER_THREADS) as cluster, Client(cluster) as client:
-        out["raw_local_cuda_cluster_s"] = best_of(
+        out["raw_local_cuda_cluster_s"] = median_of(
             lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
         )
 
-    out["runner_s"] = cube_through_runner(n, chunk, repeat)
+    runner = cube_through_runner(n, chunk, max(repeat, 20), spread_of_runs=True)
+    out["runner"] = runner
+    out["runner_s"] = runner["median_s"]
     return out
 
 
-def cube_through_runner(n: int, chunk: int, repeat: int, **runner_kwargs: Any) -> float:
-    """The speed-cube as one gpu task that computes its chunks with ``compute_on_gpus``."""
+def cube_through_runner(
+    n: int, chunk: int, repeat: int, spread_of_runs: bool = False, **runner_kwargs: Any
+) -> Any:
+    """The speed-cube as one gpu task that computes its chunks with ``compute_on_gpus``:
+    the median of ``repeat`` warm runs (or their spread)."""
     from prefect import flow, task
 
     from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus
@@ -118,10 +148,11 @@ def cube_through_runner(n: int, chunk: int, repeat: int, **runner_kwargs: Any) -
         return check_cube(compute_on_gpus(speed_cube_expr(n, chunk, True))[0])
 
     @flow(task_runner=GPUDaskTaskRunner(**runner_kwargs))
-    def through_runner() -> float:
-        return best_of(lambda: cube.submit().result(), repeat)
+    def through_runner() -> list[float]:
+        return runs_of(lambda: cube.submit().result(), repeat)
 
-    return through_runner()
+    runs = through_runner()
+    return spread(runs) if spread_of_runs else statistics.median(runs)
 
 
 # -- (b) per-task overhead --------------------------------------------------------
@@ -235,23 +266,26 @@ def bench_guard(samples: int) -> dict[str, Any]:
     }
 
 
-# -- (d) leak -> recovered, (e) cluster start ---------------------------------------
-def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
+# -- (d) leak -> replacement serving, (e) cluster start --------------------------------
+def bench_leak_and_start(gpu: bool, cycles: int = 5) -> dict[str, Any]:
+    """Cluster start and first task; then ``cycles`` times: a task leaks 512 MiB, and the
+    clock runs from its result to the next task that runs in the replacement worker on
+    that GPU (``leak_to_serving_s``)."""
     from prefect import flow, task
     from prefect.context import FlowRunContext
 
     from prefect_gpu_dask import GPUDaskTaskRunner
 
     @task(tags=["gpu"])
-    def leak() -> int:
+    def leak() -> tuple[int, str]:
         import cupy
 
         leak.kept = cupy.ones(512 * 2**20 // 8)  # noqa: B010  # held by the task object: a leak
-        return os.getpid(), int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+        return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
 
     @task(tags=["gpu"])
-    def pid() -> int:
-        return os.getpid()
+    def pid() -> tuple[int, str]:
+        return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
 
     @flow(task_runner=GPUDaskTaskRunner(leak_threshold="256MiB"))
     def leaky() -> dict[str, Any]:
@@ -262,34 +296,36 @@ def bench_leak_and_start(gpu: bool) -> dict[str, Any]:
         start = time.perf_counter()
         pid.submit().result()  # the first task run loads Prefect's engine on its worker
         first_task = time.perf_counter() - start
+        out: dict[str, Any] = {"cluster_start_s": started, "first_task_s": first_task}
         if not gpu:
-            return {"cluster_start_s": started, "first_task_s": first_task}
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        used = lambda i: pynvml.nvmlDeviceGetMemoryInfo(handles[i]).used  # noqa: E731
-        [pid.submit().result() for _ in range(4 * len(handles))]  # CUDA contexts exist: the baseline
-        baseline = [used(i) for i in range(len(handles))]
-        old, device = leak.submit().result()
-        leaked_at = time.perf_counter()
-        leaked = used(device) - baseline[device]
-        deadline = time.monotonic() + 60
-        while used(device) > baseline[device] + 64 * 2**20 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        recovered_s = time.perf_counter() - leaked_at
-        while not runner.restarts and time.monotonic() < deadline:
-            time.sleep(0.05)
-        [restart] = runner.restarts
-        assert restart.new_pid != old
-        return {
-            "cluster_start_s": started,  # runner.client: cluster up, plugins registered
-            "first_task_s": first_task,  # then the first trivial gpu task, submit to result
-            "leaked_bytes": leaked,
-            "leak_recovery_s": recovered_s,  # leak verdict -> device memory back at baseline
-            "worker_back_s": restart.serving_s,  # -> replacement worker serving
-            "restart": restart.to_payload(),
-        }
+            return out
+        [pid.submit().result() for _ in range(8)]  # warm
+        serving, restarts = [], []
+        for cycle in range(cycles):
+            old, device = leak.submit().result()
+            leaked_at = time.perf_counter()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the next task on that GPU, in a new process
+                new, where = pid.submit().result()
+                if where == device and new != old:
+                    break
+            serving.append(time.perf_counter() - leaked_at)
+            while len(runner.restarts) <= cycle and time.monotonic() < deadline:
+                time.sleep(0.01)
+            restarts.append(runner.restarts[cycle])
+        free = [r.memory_free_s for r in restarts if r.memory_free_s is not None]
+        out.update(
+            {
+                "leak_to_serving": spread(serving),
+                "leak_to_serving_s": statistics.median(serving),
+                "memory_free_s": statistics.median(free) if free else None,
+                # The recycler's own clock: from the record's arrival in the flow.
+                "restart_s": statistics.median(r.restart_s for r in restarts),
+                "serving_s": statistics.median(r.serving_s for r in restarts),
+                "restarts": [r.to_payload() for r in restarts],
+            }
+        )
+        return out
 
     return leaky()
 
@@ -315,7 +351,7 @@ def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
             LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=GPU_WORKER_THREADS) as cl,
             Client(cl) as client,
         ):
-            out[f"raw_distributed_{k}gpu_s"] = best_of(
+            out[f"raw_distributed_{k}gpu_s"] = median_of(
                 lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
             )
     for k in (2, 4, 8):
@@ -354,7 +390,8 @@ def main() -> None:
         "host_cores": os.cpu_count(),
         "versions": versions(),
         "warm": (
-            "cluster already up; speed-cube: best of --repeat after one warm-up run; "
+            "cluster already up; medians of --repeat runs after one warm-up run (the speed-cube "
+            "through the runner: at least 20, with p95); "
             f"per-task: after {WARM_TASKS} warm-up tasks spread over the workers"
         ),
     }
@@ -416,6 +453,10 @@ def write(result: dict[str, Any], out: Path) -> None:
         "warm": result["warm"],
         "speed_cube": {
             k: cube.get(k) for k in ("runner_s", "raw_threads_s", "cpu_threads_s", "raw_local_cuda_cluster_s")
+        }
+        | {
+            f"runner_{k}": cube.get("runner", {}).get(k)
+            for k in ("median_s", "p95_s", "p95_over_median", "max_s", "runs")
         },
         # On a host with several GPUs runner_s uses them all; this one is comparable with raw_threads_s.
         "speed_cube_runner_1gpu_s": (
@@ -435,7 +476,9 @@ def write(result: dict[str, Any], out: Path) -> None:
             )
         },
         "guard_us": result.get("guard", {}).get("guard_us"),
-        "leak_recovery_s": result.get("leak", {}).get("leak_recovery_s"),
+        "leak_to_serving_s": result.get("leak", {}).get("leak_to_serving_s"),
+        "leak_to_serving_p95_s": result.get("leak", {}).get("leak_to_serving", {}).get("p95_s"),
+        "memory_free_s": result.get("leak", {}).get("memory_free_s"),
         "cluster_start_s": result.get("leak", {}).get("cluster_start_s"),
         "first_task_s": result.get("leak", {}).get("first_task_s"),
         "scaling_2gpu": result.get("scaling", {}).get("scaling_2gpu"),
@@ -482,7 +525,13 @@ def print_table(result: dict[str, Any]) -> None:
             rows.append((f"{p['n']} trivial tasks: {key} (s)", p.get(key)))
     rows += [
         ("guard per task (µs, median)", result.get("guard", {}).get("guard_us")),
-        ("leak -> memory recovered (s)", result.get("leak", {}).get("leak_recovery_s")),
+        ("speed-cube via runner: p95 / median", cube.get("runner", {}).get("p95_over_median")),
+        ("leak -> replacement serving (s, median)", result.get("leak", {}).get("leak_to_serving_s")),
+        (
+            "leak -> replacement serving (s, p95)",
+            result.get("leak", {}).get("leak_to_serving", {}).get("p95_s"),
+        ),
+        ("leak -> old memory free (s, median)", result.get("leak", {}).get("memory_free_s")),
         ("cluster start (s)", result.get("leak", {}).get("cluster_start_s")),
         ("then first trivial task (s)", result.get("leak", {}).get("first_task_s")),
     ]

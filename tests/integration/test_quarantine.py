@@ -85,6 +85,7 @@ def test_a_gpu_found_sick_before_a_task_is_quarantined_and_its_queued_work_moves
     assert [e.payload["worker_name"] for e in events] == ["gpu-a"]
     assert events[0].payload["reasons"] == ["1 volatile uncorrectable ECC error"]
     assert events[0].resource.id == f"prefect-gpu-dask.gpu.{sick.gpu_uuid}"
+    assert f"prefect.flow-run.{flow_run_id}" in {r.id for r in events[0].related}
     sent_back = (dask_processes.tmp / "worker-gpu-a.log").read_text().count("goes back to the scheduler")
     assert sent_back >= 1  # work queued on the sick GPU moved, unstarted
     summary = summary_of(flow_run_id)
