@@ -35,6 +35,7 @@ if [[ $PHASES == *probes* ]]; then
   timeout 120 python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json" 2>&1 | tee "$OUT/probe-first-use.txt"
 fi
 if [[ $PHASES == *bench* ]]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 | quiet > "$OUT/bench.txt"
+  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 |
+    tee "$OUT/bench-raw.txt" | quiet > "$OUT/bench.txt"
   tail -40 "$OUT/bench.txt"
 fi

@@ -174,8 +174,10 @@ class GPUMemoryGuard(WorkerPlugin):
         self._read_process: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
         # (task name, worker thread) that already left growth outside every allocator,
-        # and the threads alive then: libraries keep handles per thread.
-        self._grew: dict[tuple[str | None, int], frozenset[int]] = {}
+        # and the threads alive then: libraries keep handles per thread. Threads, not
+        # their idents: a thread that secedes (worker_client) is replaced, and the new
+        # one may get a dead one's ident while its handles are new.
+        self._grew: dict[tuple[str | None, threading.Thread], frozenset[threading.Thread]] = {}
 
     # -- WorkerPlugin -------------------------------------------------------------
     async def setup(self, worker: Any) -> None:
@@ -252,7 +254,7 @@ class GPUMemoryGuard(WorkerPlugin):
         process has new threads, which a library gives handles of their own)."""
         duration = time.perf_counter() - started
         self.tasks_run += 1
-        key = (task, threading.get_ident())
+        key = (task, threading.current_thread())
         threads_then = self._grew.get(key)
         verdict = verdict_for(
             self.probe,
@@ -262,11 +264,11 @@ class GPUMemoryGuard(WorkerPlugin):
             release_allocator_caches,
             allocators=self._read_allocators,
             # Again on this thread, and no thread new since: no library's first use left.
-            grew_before=threads_then is not None and _thread_ids() <= threads_then,
+            grew_before=threads_then is not None and _pool_threads() <= threads_then,
             oom=oom,
         )
         if verdict.status == LIBRARY:
-            self._grew[key] = _thread_ids()
+            self._grew[key] = _pool_threads()
         peak = self._sampler.stop(ticket, verdict.after.judged)
         return verdict, peak, duration
 
@@ -285,12 +287,12 @@ class GPUMemoryGuard(WorkerPlugin):
             self.worker.loop.add_callback(drain, self.worker)
 
 
-def _thread_ids() -> frozenset[int]:
+def _pool_threads() -> frozenset[threading.Thread]:
     """Threads that may make library handles for a task: the threads scheduler's pools
     (not daemons). Daemon threads are left out: services (Prefect's log and event
     workers, this guard's sampler) start them when they please, and Dask's own worker
     threads, daemons too, are part of the allowance's key already."""
-    return frozenset(t.ident for t in threading.enumerate() if t.ident is not None and not t.daemon)
+    return frozenset(t for t in threading.enumerate() if not t.daemon)
 
 
 def current_guard() -> GPUMemoryGuard | None:

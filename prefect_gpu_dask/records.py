@@ -159,7 +159,8 @@ class RestartRecord:
     memory_before: int | None = None  # the old process's bytes on its GPU at the verdict
     memory_after: int | None = None  # the replacement's bytes once it serves
     baseline: int | None = None
-    restart_s: float = 0.0  # request -> the scheduler's restart returned
+    safe_point_s: float | None = None  # request -> nothing left running there: the restart began
+    restart_s: float = 0.0  # request -> the scheduler's restart returned (the new process registered)
     serving_s: float = 0.0  # request -> the replacement was found serving, memory read
     # request -> the replacement found the old process's GPU memory released: an upper
     # bound (it looks once it has started), None where no NVML probe could look.

@@ -169,6 +169,7 @@ class Recycler:
 
     def _recycle(self, request: _Request) -> None:
         requested, requested_wall = time.perf_counter(), time.time()
+        self._safe_at: float | None = None
         if request.worker not in self._workers():
             self.logger.debug("%s is gone already: not restarting it (%s)", request.worker, request.reason)
             return
@@ -200,7 +201,8 @@ class Recycler:
         # The scheduler's answer per worker: "OK", or "timed out", "removed", an error.
         if failed := {a: r for a, r in answer.get("result", {}).items() if r != "OK"}:
             self.logger.warning("The restart of %s answered %s", ", ".join(failed), failed)
-        record = self._record(request, restart_s, requested, requested_wall)
+        safe_point_s = None if self._safe_at is None else self._safe_at - requested
+        record = self._record(request, restart_s, requested, requested_wall, safe_point_s)
         self._restarts.append(record)
         free_s = record.memory_free_s
         memory_free = "" if free_s is None else f"memory free after {free_s:.2f} s, "
@@ -253,6 +255,7 @@ class Recycler:
     def _restart_now(
         self, targets: list[str], whole_cluster: bool, stuck: tuple[str, ...] = ()
     ) -> dict[str, Any]:
+        self._safe_at = time.perf_counter()
         self._move_results(self.client.run_on_scheduler(on_scheduler.keys_on, targets))
         if stuck:
             self.client.run_on_scheduler(on_scheduler.mark_interrupted, list(stuck), targets[0])
@@ -278,7 +281,12 @@ class Recycler:
             future.wrapped_future.release()
 
     def _record(
-        self, request: _Request, restart_s: float, requested: float, requested_wall: float
+        self,
+        request: _Request,
+        restart_s: float,
+        requested: float,
+        requested_wall: float,
+        safe_point_s: float | None,
     ) -> RestartRecord:
         """Find the replacement worker and read its GPU memory (its guard waited for release)."""
         source = request.record
@@ -307,6 +315,7 @@ class Recycler:
             task_run_name=source.task_run_name if source else None,
             old_pid=source.pid if source else None,
             memory_before=source.after if source else None,
+            safe_point_s=None if safe_point_s is None else round(safe_point_s, 3),
             restart_s=round(restart_s, 3),
             serving_s=round(time.perf_counter() - requested, 3),
             **replacement,
