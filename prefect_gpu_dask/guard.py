@@ -30,7 +30,6 @@ from prefect_gpu_dask.probe import (
     AllocatorBytes,
     MemoryProbe,
     MemorySample,
-    NvmlProbe,
     allocator_reader,
     process_sampler,
 )
@@ -64,16 +63,6 @@ def release_allocator_caches() -> None:
         torch.cuda.empty_cache()
     # RMM pools cannot shrink; a worker running on an RMM pool is judged after the
     # re-sample only, and its pool size belongs in leak_threshold.
-
-
-def _warm_up(cuda_context: bool) -> None:
-    try:
-        import prefect.task_engine  # noqa: F401
-
-        if cuda_context:
-            _create_cuda_context()
-    except Exception as exc:  # the first task will do it, or say why it cannot
-        logger.debug("GPU worker warm-up skipped: %r", exc)
 
 
 def _create_cuda_context() -> bool:
@@ -170,7 +159,6 @@ class GPUMemoryGuard(WorkerPlugin):
         self._tickets = itertools.count(1)  # next() is atomic: worker threads begin at once
         self._sampler: PeakSampler | None = None
         self.health: HealthWatch | None = None
-        self._warming: threading.Thread | None = None
         self._read_process: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
         # (task name, worker thread) that already left growth outside every allocator,
@@ -190,6 +178,8 @@ class GPUMemoryGuard(WorkerPlugin):
         if self.probe is None:
             logger.info("No GPU on worker %s: GPU memory guard is a no-op", worker.address)
             return
+        # The CUDA context is created lazily by the first guarded task (begin()): a
+        # worker that never runs one pays nothing, and the cluster starts faster.
         pids = getattr(self.probe, "process_pids", None)
         if pids is not None:  # a replacement: a dead worker's memory must be gone first
             self.release_wait_s = await wait_for_released_memory(pids)
@@ -200,13 +190,6 @@ class GPUMemoryGuard(WorkerPlugin):
         self._read_allocators = allocator_reader(self.probe)
         self._sampler = PeakSampler(self.probe)
         self._watch_health(worker)
-        # A GPU worker is there to run gpu task runs: load Prefect's task engine and make
-        # the CUDA context now, beside the worker's registration, rather than inside
-        # its first task (on a replacement: the first task after a restart).
-        self._warming = threading.Thread(
-            target=_warm_up, args=(isinstance(self.probe, NvmlProbe),), name="gpu-warm-up", daemon=True
-        )
-        self._warming.start()
 
     def _watch_health(self, worker: Any) -> None:
         reader = getattr(self.probe, "health_reader", None)
@@ -230,8 +213,6 @@ class GPUMemoryGuard(WorkerPlugin):
         return self.probe is not None
 
     def begin(self) -> tuple[int, MemorySample, float]:
-        if self._warming is not None:
-            self._warming.join()  # the context is being made: it is not the task's
         ticket = next(self._tickets)
         before = self._read_process()
         if before.process == 0 and _create_cuda_context():
