@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prefect_gpu_dask.health import HealthMonitor, HealthVerdict
@@ -199,14 +199,11 @@ def screen(task: Any, restrictions: Mapping[str, float] | None) -> Any:
 
 def failing(quarantine: GPUQuarantine) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the GPU."""
-    message = (
-        f"Quarantined {quarantine.describe()}. No healthy GPU is left in the cluster, so "
-        "this gpu task was not run."
+    from prefect_gpu_dask.taskwrap import raising
+
+    return raising(
+        UnhealthyGPUError(
+            f"Quarantined {quarantine.describe()}. No healthy GPU is left in the cluster, so "
+            "this gpu task was not run."
+        )
     )
-
-    @contextlib.contextmanager
-    def refuse() -> Iterator[None]:
-        raise UnhealthyGPUError(message)
-        yield  # never reached: the task's function does not run
-
-    return refuse

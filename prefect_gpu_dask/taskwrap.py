@@ -62,6 +62,17 @@ def stacked(*arounds: Around) -> Around:
     return enter_all
 
 
+def raising(error: BaseException) -> Around:
+    """An ``around`` that raises ``error`` instead of running the task's function."""
+
+    @contextlib.contextmanager
+    def refuse() -> Iterator[None]:
+        raise error
+        yield  # never reached: the task's function does not run
+
+    return refuse
+
+
 def with_around(task: T, around: Around, **attributes: Any) -> T:
     """A shallow copy of a Prefect ``task`` whose function runs inside ``around()``.
 

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from distributed.core import Status
@@ -117,14 +117,11 @@ def died_on() -> str | None:
 
 def refusal(worker: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the dead worker."""
-    message = (
-        f"Dask worker {worker} died while running this task run; it was not run a second "
-        "time (that could repeat its side effects). Submit it again to re-run it."
+    from prefect_gpu_dask.taskwrap import raising
+
+    return raising(
+        WorkerDiedError(
+            f"Dask worker {worker} died while running this task run; it was not run a second "
+            "time (that could repeat its side effects). Submit it again to re-run it."
+        )
     )
-
-    @contextlib.contextmanager
-    def refuse() -> Iterator[None]:
-        raise WorkerDiedError(message)
-        yield  # never reached: the task's function does not run
-
-    return refuse
