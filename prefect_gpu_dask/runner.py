@@ -34,6 +34,7 @@ from prefect_gpu_dask.deadline import deadline
 from prefect_gpu_dask.fallback import MissingResourceError, ResourceWait, falling_back
 from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
 from prefect_gpu_dask.labels import GPULabels
+from prefect_gpu_dask.oom_retry import oom_retry_condition, placing
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     RECORD_TOPIC,
@@ -49,7 +50,6 @@ from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
 from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, RestartPolicy, RunnerSettings
 from prefect_gpu_dask.submission import TaskSubmitter
 from prefect_gpu_dask.taskwrap import stacked, with_around
-from prefect_gpu_dask.verdict import oom_retry_condition
 
 CLONES_KEPT = 1024
 # How long a scheduler keeps a task nobody can run before failing it ("error" mode).
@@ -200,7 +200,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self.cluster_class, self.resolved_cluster_class = cluster_class, None
         # Bounded: a flow that makes tasks on the fly (with_options in a loop) must not
         # keep every one of them alive.
-        self._clones: OrderedDict[tuple[int, str], tuple[Any, Any]] = OrderedDict()
+        self._clones: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
         self._offers: WorkerOffers | None = None
         self._recycler: Recycler | None = None
         self._resource_wait: ResourceWait | None = None
@@ -419,7 +419,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if task.timeout_seconds:
             arounds["deadline"] = deadline
         attributes: dict[str, Any] = {}
+        placed = None
         if route.gpu and self.settings.oom_retries:
+            if route.fallback is None or route.wait_s:
+                placed = placing(route.resources)
             attributes = {
                 "retries": task.retries + self.settings.oom_retries,
                 "retry_condition_fn": oom_retry_condition(
@@ -428,12 +431,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             }
         if not arounds and not attributes:
             return task
-        key = (id(task), " + ".join([*arounds, *attributes]))
+        # A retry's placement asks for the route's resources, which the tags in context may change.
+        placement = tuple(sorted(route.resources.items())) if placed else ()
+        key = (id(task), " + ".join([*arounds, *attributes]), placement)
         cached = self._clones.get(key)
         if cached is None or cached[0] is not task:
             # One clone per task object and purpose: Prefect's engine and the submitter's
             # pickle cache key on the task object.
-            clone = with_around(task, stacked(*arounds.values()), **attributes)
+            clone = with_around(task, stacked(*arounds.values()), placed, **attributes)
             cached = self._clones[key] = (task, clone)
             while len(self._clones) > CLONES_KEPT:
                 self._clones.popitem(last=False)

@@ -73,13 +73,21 @@ def raising(error: BaseException) -> Around:
     return refuse
 
 
-def with_around(task: T, around: Around, **attributes: Any) -> T:
+def with_around(
+    task: T,
+    around: Around,
+    placed: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    **attributes: Any,
+) -> T:
     """A shallow copy of a Prefect ``task`` whose function runs inside ``around()``.
 
-    ``attributes`` override task attributes on the copy (e.g. ``retries=0``).
+    ``placed`` wraps that function once more to choose where each call runs (the
+    out-of-memory retries' placement). ``attributes`` override task attributes on the
+    copy (e.g. ``retries=0``).
     """
     clone = copy.copy(task)
-    clone.fn = around_fn(task.fn, around)  # type: ignore[attr-defined]
+    fn = around_fn(task.fn, around)
+    clone.fn = placed(fn) if placed is not None else fn  # type: ignore[attr-defined]
     for name, value in attributes.items():
         setattr(clone, name, value)
     return clone

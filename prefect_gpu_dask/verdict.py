@@ -17,12 +17,10 @@ leaves it again on the same thread is it a ``leak``.
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from prefect_gpu_dask.probe import AllocatorBytes, MemoryProbe, MemorySample
 from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, OOM, format_bytes
@@ -80,37 +78,6 @@ def out_of_memory(exc: BaseException | None) -> OutOfMemory | None:
             return found
         exc = exc.__cause__ or exc.__context__
     return None
-
-
-def oom_retry_condition(
-    oom_retries: int, retries: int, condition: Callable[..., bool] | None
-) -> Callable[[Any, Any, Any], bool]:
-    """A ``retry_condition_fn`` for a task cloned with ``retries + oom_retries`` retries:
-    out-of-memory failures use up to ``oom_retries`` of them, other failures up to
-    ``retries``, and only where the task's own ``condition`` (if any) agrees."""
-    used: dict[Any, list[int]] = {}
-
-    def retry(task: Any, task_run: Any, state: Any) -> bool:
-        counts = used.setdefault(task_run.id, [0, 0])
-        if out_of_memory(state.data if isinstance(state.data, BaseException) else None):
-            counts[0] += 1
-            again = counts[0] <= oom_retries
-        else:
-            counts[1] += 1
-            again = counts[1] <= retries and (condition is None or _holds(condition, task, task_run, state))
-        if not again:
-            used.pop(task_run.id, None)  # its last attempt
-        return again
-
-    return retry
-
-
-def _holds(condition: Callable[..., Any], *args: Any) -> bool:
-    if inspect.iscoroutinefunction(condition):
-        from prefect.utilities.asyncutils import run_coro_as_sync
-
-        return bool(run_coro_as_sync(condition(*args)))
-    return bool(condition(*args))
 
 
 @dataclass(frozen=True)

@@ -381,3 +381,54 @@ def test_each_record_reaches_the_ui_while_the_flow_still_runs(dask_processes, tm
     assert artifact.type == "table"
     [row] = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
     assert row["verdict"] == "leak" and row["delta_bytes"] == 512 * MiB and row["delta"] == "512.00 MiB"
+
+
+@task(tags=["gpu"])
+def holds_then_runs_out(ledger: str, nbytes: int) -> str:
+    import distributed
+
+    name = str(distributed.get_worker().name)
+    with open(ledger, "a") as fh:
+        fh.write(f"{name} {os.getpid()}\n")
+    if len(Path(ledger).read_text().splitlines()) == 1:
+        leak(nbytes)  # still held after the failure: this GPU's memory does not come back
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")  # as torch says it
+    return name
+
+
+def test_an_oom_retry_runs_on_another_gpu_when_its_own_memory_did_not_come_back(dask_processes, tmp_path):
+    """The retry is the task run's own (one task run, run count 2), its function runs on
+    the other GPU worker under that worker's guard, and only the worker that ran out
+    is restarted, once the task run is over."""
+    dask_processes.start_scheduler()
+    for name in ("gpu-a", "gpu-b"):
+        dask_processes.start_worker(name, "--nthreads", "2", "--resources", "GPU=1")
+    dask_processes.wait_for_workers(2)
+    ledger = str(tmp_path / "ledger")
+
+    @flow(
+        task_runner=GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, oom_retries=1)
+    )
+    def retried_elsewhere():
+        moved = holds_then_runs_out.submit(ledger, 4 * 2**30)
+        ran_on = moved.result()
+        runner = FlowRunContext.get().task_runner
+        restarts = runner_restarts(wait=True)
+        return (
+            ran_on,
+            moved.task_run_id,
+            [r for r in runner.records if r.task_run_id == str(moved.task_run_id)],
+            restarts,
+        )
+
+    ran_on, task_run_id, records, restarts = retried_elsewhere()
+    first, second = [line.split()[0] for line in Path(ledger).read_text().splitlines()]
+    assert first != second and ran_on == second
+    with get_client(sync_client=True) as api:
+        run = api.read_task_run(task_run_id)
+        names = [s.name for s in api.read_task_run_states(task_run_id)]
+    assert run.run_count == 2 and run.state.is_completed(), (run.run_count, names)
+    assert "Retrying" in names or "AwaitingRetry" in names, names
+    assert [(r.worker_name, r.verdict) for r in records] == [(first, "oom"), (second, "clean")], records
+    [restart] = restarts
+    assert restart.worker_name == first and restart.reason.startswith("oom"), restart
