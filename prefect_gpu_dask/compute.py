@@ -34,7 +34,7 @@ from dask.sizeof import sizeof
 from distributed.protocol import pickle
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.routing import gpu_workers
+from prefect_gpu_dask.routing import gpu_workers, scheduler_identity
 
 # Dask would plan P2P shuffles/rechunks with a distributed client around; the threads
 # scheduler cannot run those.
@@ -51,7 +51,7 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     except ValueError:
         return dask.compute(*collections, **compute_kwargs)
     with distributed.worker_client() as client:
-        workers = gpu_workers(client.scheduler_info(n_workers=-1)["workers"])
+        workers = gpu_workers(scheduler_identity(client)["workers"])
         if workers == [me]:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import uuid4
 
+from prefect_gpu_dask.routing import scheduler_identity
 from prefect_gpu_dask.verdict import out_of_memory
 
 logger = logging.getLogger("prefect_gpu_dask.oom_retry")
@@ -136,7 +137,7 @@ def roomiest_elsewhere(resources: Mapping[str, float]) -> str | None:
     here_serving = worker.status == Status.running  # not drained for a restart
     client = get_client()
     try:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_identity(client)["workers"]
         candidates = [
             address
             for address, info in workers.items()

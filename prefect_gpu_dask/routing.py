@@ -235,6 +235,16 @@ def satisfiable(resources: Mapping[str, float], workers: Iterable[Mapping[str, f
     )
 
 
+def scheduler_identity(client: Any) -> dict[str, Any]:
+    """The scheduler's identity with every worker, asked now (sync clients).
+
+    Not ``Client.scheduler_info()``: that returns a cache which the client's own
+    periodic refresh overwrites with an answer that lists no workers, so a read racing
+    the refresh finds an empty cluster.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)
+
+
 def resources_of(scheduler_identity: Mapping[str, Any]) -> list[Resources]:
     """What each worker advertises, from the scheduler's ``identity`` answer."""
     return [w.get("resources") or {} for w in scheduler_identity["workers"].values()]
@@ -283,7 +293,7 @@ class WorkerOffers:
     @classmethod
     def of_client(cls, client: Any) -> WorkerOffers:
         return cls(
-            identity=lambda: client.scheduler_info(n_workers=-1),
+            identity=lambda: scheduler_identity(client),
             identity_async=lambda: client.scheduler.identity(n_workers=-1),
             spawn=client.loop.add_callback,
         )

@@ -27,7 +27,7 @@ from prefect.utilities.engine import collect_task_run_inputs_sync
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.quarantine import screen
-from prefect_gpu_dask.recycling.worker import WorkerDiedError, died_on, refusal
+from prefect_gpu_dask.recycling.worker import WorkerDiedError, announce_start, refusal
 from prefect_gpu_dask.taskwrap import with_around
 
 _SETTINGS = _compat.context_var(SettingsContext)
@@ -206,7 +206,8 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
     task = _unshare(task)
     task = screen(task, _compat.current_task_restrictions())  # a sick GPU's work goes elsewhere
     settings, clients = _settings_and_client(context.pop("settings_context"))
-    if (dead := died_on()) is not None:
+    dead, started_there = announce_start()
+    if dead is not None:
         # Dask sends back every task the dead worker held. One that never started there
         # runs now; one whose run already ended (the flow timed it out, then recycled the
         # worker) returns that state; one that was running crashes, naming the worker.
@@ -216,7 +217,7 @@ def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -
             state = None
         if state is not None and state.is_final():
             return state
-        if state is not None and state.is_running():
+        if started_there or (state is not None and state.is_running()):
             task = with_around(task, refusal(dead), retries=0)
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.

@@ -31,6 +31,7 @@ from prefect_gpu_dask import _compat
 from prefect_gpu_dask.records import RestartRecord, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling import scheduler as on_scheduler
 from prefect_gpu_dask.recycling import worker as on_worker
+from prefect_gpu_dask.routing import scheduler_identity
 
 POLL_S = 0.05
 RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run
@@ -165,7 +166,7 @@ class Recycler:
                 self._pending.discard(request.worker)
 
     def _workers(self) -> dict[str, Any]:
-        return self.client.scheduler_info(n_workers=-1).get("workers", {})
+        return scheduler_identity(self.client).get("workers", {})
 
     def _recycle(self, request: _Request) -> None:
         requested, requested_wall = time.perf_counter(), time.time()

@@ -17,6 +17,10 @@ from prefect_gpu_dask import _compat
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
 INTERRUPTED = "prefect-gpu-dask-worker-died"
+# Annotation: the dead worker had started this task run (not merely queued it).
+STARTED_THERE = "prefect-gpu-dask-started-on-dead-worker"
+# Worker event topic: a task run's engine is starting on this worker.
+STARTED_TOPIC = "prefect-gpu-dask.task-run-started"
 
 
 def _moving(ts: Any, drained: set[str], others_running: bool) -> bool:
@@ -147,7 +151,7 @@ def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
         if ts is not None:
-            ts.annotations = {**(ts.annotations or {}), INTERRUPTED: worker}
+            ts.annotations = {**(ts.annotations or {}), INTERRUPTED: worker, STARTED_THERE: True}
 
 
 class InterruptedTasks(SchedulerPlugin):
@@ -157,8 +161,12 @@ class InterruptedTasks(SchedulerPlugin):
     ``distributed.scheduler.allowed-failures`` times). For a Prefect task run that means
     the same task run executing twice, its side effects repeated, and the first attempt
     never reported. This plugin marks such a task in its annotations (which travel to
-    the next worker with the task); there ``worker.died_on`` sees the mark and the task
+    the next worker with the task); there ``worker.announce_start`` sees the mark and the task
     run is refused with a message naming the dead worker.
+
+    Which tasks had started there comes from the workers' ``STARTED_TOPIC`` events, in
+    the worker's stream ahead of its death; Prefect's API may not know yet, as task run
+    states reach it as events, later on a busy server, or never from a killed process.
     """
 
     name = "prefect-gpu-dask-interrupted"
@@ -167,12 +175,21 @@ class InterruptedTasks(SchedulerPlugin):
     def __init__(self) -> None:
         self.scheduler: Any = None
         self.running_on: dict[Any, str] = {}
+        self.started: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
     def restart(self, scheduler: Any) -> None:
         self.running_on.clear()  # every task is forgotten
+        self.started.clear()
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic == STARTED_TOPIC and isinstance(msg, dict):
+            key = msg.get("key")
+            # Only from the worker running it now: not a late event of an earlier attempt.
+            if isinstance(key, str) and self.running_on.get(key) == msg.get("worker"):
+                self.started.add(key)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:
@@ -183,6 +200,8 @@ class InterruptedTasks(SchedulerPlugin):
                 self.running_on[key] = ts.processing_on.address
         elif start == "processing":
             worker = self.running_on.pop(key, None)
+            started = key in self.started
+            self.started.discard(key)
             ts = self.scheduler.tasks.get(key)
             # remove_worker counts an unexpected death in ts.suspicious before releasing.
             if (
@@ -191,4 +210,5 @@ class InterruptedTasks(SchedulerPlugin):
                 and ts.suspicious
                 and worker not in self.scheduler.workers
             ):
-                ts.annotations = {**(ts.annotations or {}), INTERRUPTED: worker}
+                marks = {INTERRUPTED: worker, STARTED_THERE: True} if started else {INTERRUPTED: worker}
+                ts.annotations = {**(ts.annotations or {}), **marks}

@@ -3,7 +3,8 @@ and refuse a task run whose previous worker died running it.
 
 ``drain``/``resume``/``replacement_state`` run on the worker's event loop through
 ``client.run``; ``wait_for_released_memory`` runs in the guard's ``setup`` of a
-replacement worker; ``refusal`` runs in the worker thread of a task run.
+replacement worker; ``announce_start`` and ``refusal`` run in the worker thread of a
+task run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from distributed.core import Status
 
-from prefect_gpu_dask.recycling.scheduler import INTERRUPTED
+from prefect_gpu_dask.recycling.scheduler import INTERRUPTED, STARTED_THERE, STARTED_TOPIC
 
 logger = logging.getLogger("prefect_gpu_dask.recycling")
 
@@ -103,16 +104,23 @@ def replacement_state(guard_name: str, dask_worker: Any = None) -> dict[str, Any
     }
 
 
-def died_on() -> str | None:
-    """In a task: the address of a worker that died running this task before, if any."""
+def announce_start() -> tuple[str | None, bool]:
+    """In a task, before its Prefect engine starts: tell the scheduler this task run is
+    starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
+    worker). Returns the worker that died running this task before, if any, and whether
+    that worker had started it (rather than only queued it)."""
     try:
         import distributed
 
         worker = distributed.get_worker()
-        ts = worker.state.tasks.get(worker.get_current_task())
+        key = worker.get_current_task()
+        ts = worker.state.tasks.get(key)
     except (ValueError, AttributeError, KeyError):
-        return None
-    return (ts.annotations or {}).get(INTERRUPTED) if ts is not None else None
+        return None, False
+    if isinstance(key, str):
+        worker.log_event(STARTED_TOPIC, {"key": key})
+    marks = (ts.annotations or {}) if ts is not None else {}
+    return marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
 
 
 def refusal(worker: str) -> Callable[[], contextlib.AbstractContextManager[None]]:

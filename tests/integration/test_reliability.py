@@ -151,6 +151,69 @@ def test_worker_killed_mid_task_fails_that_task_run_only(procs: DaskProcesses, t
     assert [r for r, _ in out["later_cpu"]] == [i * i for i in range(4)]
 
 
+@task(tags=["gpu"])
+def dies_as_it_starts(ledger: str) -> None:
+    with open(ledger, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)  # before the API can have heard it was running
+
+
+def test_a_worker_dying_before_the_api_heard_of_the_run_still_crashes_it_once(procs, tmp_path):
+    """Task run states reach Prefect's API as events: a worker killed just after a task
+    run started there may leave the API not knowing it ever ran. The scheduler knows
+    (the worker said so in its own stream): the run crashes, and is not run again."""
+    address = procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    ledger = tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def killed_at_once():
+        doomed = dies_as_it_starts.submit(str(ledger))
+        doomed.wait(timeout=60)
+        return doomed.state, doomed.task_run_id
+
+    state, task_run_id = killed_at_once()
+    assert state.is_crashed(), state
+    assert DIED.search(state.message), state.message
+    assert len(ledger.read_text().splitlines()) == 1, "the task ran again on the replacement"
+    assert api_state(task_run_id, lambda s: s.is_final()).is_crashed()
+
+
+def started_then_killed(ledger: str) -> tuple[str | None, bool]:
+    from prefect_gpu_dask.recycling.worker import announce_start
+
+    dead, started_there = announce_start()
+    if dead is None:
+        with open(ledger, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # the worker's stream carries the start to the scheduler meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+    return dead, started_there
+
+
+def queued_behind(_: int) -> tuple[str | None, bool]:
+    from prefect_gpu_dask.recycling.worker import announce_start
+
+    return announce_start()
+
+
+def test_the_scheduler_tells_a_started_task_from_a_queued_one_on_a_dead_worker(procs, tmp_path):
+    from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
+
+    address = procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "1", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    with Client(address) as client:
+        client.register_plugin(InterruptedTasks())
+        [victim] = client.scheduler_info(n_workers=-1)["workers"]
+        ledger = str(tmp_path / "ledger")
+        started = client.submit(started_then_killed, ledger, resources={"GPU": 1}, pure=False)
+        queued = client.submit(queued_behind, 0, resources={"GPU": 1}, pure=False)  # waits for the slot
+        assert started.result(timeout=60) == (victim, True)
+        assert queued.result(timeout=60) == (victim, False)
+
+
 # -- 3. faults: the scheduler disappears mid-flow -----------------------------------
 
 

@@ -162,7 +162,8 @@ def test_default_runner_error_mode_fails_within_bound():
 def test_gpu_submit_uses_the_last_resource_answer_and_refreshes_it_in_the_background(remote_cluster):
     from prefect.context import get_run_context
 
-    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    # gpu_wait_s: the unsatisfiable request below asks the scheduler, then falls back at once.
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, gpu_wait_s=0))
     def stale_answer():
         runner = get_run_context().task_runner
         client = runner.client
@@ -369,7 +370,7 @@ def test_gpu_workers_advertise_model_and_memory_and_tags_route_on_them(dask_proc
 
     @flow(
         task_runner=GPUDaskTaskRunner(
-            address=dask_processes.address, memory_probe=FAKE_PROBE, on_missing_gpu="error"
+            address=dask_processes.address, memory_probe=FAKE_PROBE, on_missing_gpu="error", gpu_wait_s=0
         )
     )
     def labelled():
