@@ -21,7 +21,7 @@ quiet() { grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloadi
   python3 -c "import dask, distributed, dask_cuda, prefect, cupy; print('dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__)"
 } > "$OUT/environment.txt" 2>&1
 if [[ $PHASES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -m gpu -v -s tests/integration/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s tests/integration/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
   tail -3 "$OUT/gpu-tests.txt"
 fi
 if [[ $PHASES == *flows* ]]; then

@@ -10,7 +10,7 @@ import pytest
 from prefect import flow, tags, task
 from prefect.states import State
 
-from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError
+from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, routing
 from tests.conftest import task_run_logs
 
 
@@ -166,10 +166,10 @@ def test_gpu_submit_uses_the_last_resource_answer_and_refreshes_it_in_the_backgr
     @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address, gpu_wait_s=0))
     def stale_answer():
         runner = get_run_context().task_runner
-        client = runner.client
+        assert runner.client is not None  # connects: the runner is lazy
         asked = []
-        real = client.scheduler_info
-        client.scheduler_info = lambda *a, **k: (asked.append(a or k), real(*a, **k))[1]
+        real = routing.scheduler_identity  # the runner's one synchronous way to ask
+        routing.scheduler_identity = lambda client: (asked.append(client), real(client))[1]
         try:
             offers = runner.worker_offers
             offers.asked_at -= 60  # last answer a minute old: due for a refresh
@@ -191,7 +191,7 @@ def test_gpu_submit_uses_the_last_resource_answer_and_refreshes_it_in_the_backgr
                 offers.refreshing = False
             return where.result(), asked_on_submit, refreshed, len(asked)
         finally:
-            client.scheduler_info = real
+            routing.scheduler_identity = real
 
     where, asked_on_submit, refreshed, asked = stale_answer()
     assert where == "gpu-worker"
