@@ -276,11 +276,19 @@ def bench_guard(samples: int) -> dict[str, Any]:
         start = time.perf_counter()
         guard.probe.sample()
         reads.append(time.perf_counter() - start)
+    activity = []  # of the guard's cost: the task thread's utilisation/energy/temperature part
+    watch = guard._activity
+    for ticket in range(samples if watch is not None else 0):
+        start = time.perf_counter()
+        watch.start(-1 - ticket)
+        watch.stop(-1 - ticket)
+        activity.append(time.perf_counter() - start)
     return {
         "guard_us": statistics.median(costs) * 1e6,
         "nvml_sample_us": statistics.median(reads) * 1e6,  # one probe read; the guard makes two
         "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
         "health_check_us": statistics.median(checks) * 1e6,  # before each gpu task, and on a timer
+        "activity_us": statistics.median(activity) * 1e6 if activity else None,
         "health_limits": list(health.limits),
         "samples": samples,
     }

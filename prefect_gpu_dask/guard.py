@@ -21,10 +21,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 from distributed import WorkerPlugin
 
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.activity import Activity, ActivityWatch
 from prefect_gpu_dask.health import HealthMonitor
 from prefect_gpu_dask.probe import (
     AllocatorBytes,
@@ -36,6 +39,7 @@ from prefect_gpu_dask.probe import (
 from prefect_gpu_dask.quarantine import HealthWatch
 from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling.worker import drain, wait_for_released_memory
+from prefect_gpu_dask.routing import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
 
@@ -158,6 +162,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.tasks_run = 0
         self._tickets = itertools.count(1)  # next() is atomic: worker threads begin at once
         self._sampler: PeakSampler | None = None
+        self._activity: ActivityWatch | None = None
         self.health: HealthWatch | None = None
         self._read_process: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
@@ -189,6 +194,8 @@ class GPUMemoryGuard(WorkerPlugin):
         self._read_process = process_sampler(self.probe)
         self._read_allocators = allocator_reader(self.probe)
         self._sampler = PeakSampler(self.probe)
+        reader = getattr(self.probe, "activity_reader", None)
+        self._activity = ActivityWatch(reader()) if reader is not None else None
         self._watch_health(worker)
 
     def _watch_health(self, worker: Any) -> None:
@@ -220,6 +227,8 @@ class GPUMemoryGuard(WorkerPlugin):
         held = self._read_allocators()
         before = before._replace(cached=held.cached, owned=held.owned)
         self._sampler.start(ticket, before.judged)
+        if self._activity is not None:
+            self._activity.start(ticket)
         return ticket, before, time.perf_counter()
 
     def end(
@@ -229,10 +238,11 @@ class GPUMemoryGuard(WorkerPlugin):
         started: float,
         task: str | None = None,
         oom: OutOfMemory | None = None,
-    ) -> tuple[Verdict, int, float]:
+    ) -> tuple[Verdict, int, float, Activity | None]:
         """Judge the task that began with ``ticket``; ``task`` names it for the
         one-time library growth allowance (per task and worker thread, renewed when the
-        process has new threads, which a library gives handles of their own)."""
+        process has new threads, which a library gives handles of their own).
+        Returns the verdict, the peak, the duration and what else it did on the GPU."""
         duration = time.perf_counter() - started
         self.tasks_run += 1
         key = (task, threading.current_thread())
@@ -251,12 +261,15 @@ class GPUMemoryGuard(WorkerPlugin):
         if verdict.status == LIBRARY:
             self._grew[key] = _pool_threads()
         peak = self._sampler.stop(ticket, verdict.after.judged)
-        return verdict, peak, duration
+        activity = self._activity.stop(ticket) if self._activity is not None else None
+        return verdict, peak, duration, activity
 
     def abandon(self, ticket: int) -> None:
         """Stop watching the peak of a task whose judgement failed."""
         if self._sampler is not None:
             self._sampler.stop(ticket, 0)
+        if self._activity is not None:
+            self._activity.stop(ticket)
 
     def report(self, record: TaskRecord) -> None:
         self.worker.log_event(RECORD_TOPIC, record.to_event())
@@ -304,10 +317,16 @@ def _task_identity() -> dict[str, Any]:
 
 
 def build_record(
-    guard: GPUMemoryGuard, verdict: Verdict, peak: int, duration: float, identity: dict[str, Any]
+    guard: GPUMemoryGuard,
+    verdict: Verdict,
+    peak: int,
+    duration: float,
+    identity: dict[str, Any],
+    activity: Activity | None = None,
 ) -> TaskRecord:
     """The one place a ``TaskRecord`` is made."""
     probe = guard.probe
+    share = (_compat.current_task_restrictions() or {}).get(GPU_RESOURCE)
     return TaskRecord(
         **identity,
         worker=guard.worker.address,
@@ -328,7 +347,16 @@ def build_record(
         time=time.time(),
         oom_requested=verdict.oom.requested if verdict.oom else None,
         oom_library=verdict.oom.library if verdict.oom else None,
+        gpu_share=share,
+        gpu_seconds=None if share is None else round(duration * share, 6),
+        **(_activity_fields(activity) if activity is not None else {}),
     )
+
+
+def _activity_fields(activity: Activity) -> dict[str, Any]:
+    rounded = {"sm_util_mean": 1, "sm_util_peak": 1, "energy_j": 3}
+    values = asdict(activity)
+    return {k: v if k not in rounded or v is None else round(v, rounded[k]) for k, v in values.items()}
 
 
 def _log_record(record: TaskRecord) -> None:
@@ -340,6 +368,10 @@ def _log_record(record: TaskRecord) -> None:
         f"peak {format_bytes(record.peak)}, delta {format_bytes(record.delta)} "
         f"-> {record.verdict}"
     )
+    if record.sm_util_mean is not None or record.energy_j is not None:
+        util = "n/a" if record.sm_util_mean is None else f"{record.sm_util_mean:.0f}% ({record.util_scope})"
+        energy = "n/a" if record.energy_j is None else f"{record.energy_j:.1f} J"
+        message += f"; SM busy {util}, energy {energy}"
     run_logger = get_run_logger()
     if record.verdict == OOM:
         asked = "" if record.oom_requested is None else f" asking for {format_bytes(record.oom_requested)}"
@@ -390,8 +422,8 @@ def guarding() -> Iterator[None]:
     finally:
         try:
             identity = _task_identity()
-            verdict, peak, duration = guard.end(ticket, before, started, identity["task_name"], oom)
-            record = build_record(guard, verdict, peak, duration, identity)
+            verdict, peak, duration, activity = guard.end(ticket, before, started, identity["task_name"], oom)
+            record = build_record(guard, verdict, peak, duration, identity, activity)
             _log_record(record)
             guard.report(record)
         except Exception:  # the guard must never change what the task did

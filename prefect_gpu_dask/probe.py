@@ -93,7 +93,9 @@ class MemoryProbe(Protocol):
     that models its own allocator offers ``allocator_bytes() -> AllocatorBytes``;
     otherwise the guard asks the loaded libraries (``loaded_allocator_bytes``). A probe
     that can judge its GPU's health offers ``health_reader() -> () -> HealthReadings``
-    (``health.py``); without one, the worker's GPU is not health-checked.
+    (``health.py``); without one, the worker's GPU is not health-checked. A probe that
+    can say what a task did on the GPU besides memory offers ``activity_reader() ->
+    ActivityReader`` (``activity.py``); without one, records carry no utilisation or energy.
     """
 
     gpu: GPUIdentity
@@ -144,6 +146,13 @@ class NvmlProbe:
 
     def process_pids(self) -> list[int]:
         return nvml.process_pids(self._handle)
+
+    def activity_reader(self) -> Any:
+        """This GPU's utilisation, energy, temperature and throttling, for
+        ``activity.ActivityWatch``."""
+        from prefect_gpu_dask.activity import NvmlActivity
+
+        return NvmlActivity(self._handle, self._pid)
 
     def health_reader(self) -> Callable[[], Any]:
         """This GPU's health readings, for ``health.HealthMonitor``."""

@@ -53,11 +53,20 @@ class TaskRecord:
     time: float  # wall-clock end, seconds since the epoch
     oom_requested: int | None = None  # bytes the failed allocation asked for, where the library says
     oom_library: str | None = None  # cupy | torch | rmm | numba | cuda
+    gpu_share: float | None = None  # of its GPU the task asked for (gpu:0.5 -> 0.5)
+    gpu_seconds: float | None = None  # duration_s x gpu_share
+    sm_util_mean: float | None = None  # % of the GPU's SMs busy over the task (util_scope says whose)
+    sm_util_peak: float | None = None
+    util_scope: str | None = None  # process: this worker's own samples | device: the whole GPU's
+    energy_j: float | None = None  # the whole GPU's energy over the task (its share: x gpu_share)
+    temperature_peak_c: int | None = None
+    throttle_reasons: tuple[str, ...] = ()  # clock slowdowns seen while it ran (sw_power_cap, ...)
 
     def to_event(self) -> dict[str, Any]:
         """Plain data for ``Worker.log_event`` (msgpack-friendly)."""
         event = asdict(self)
         event["tags"] = list(self.tags)
+        event["throttle_reasons"] = list(self.throttle_reasons)
         return event
 
     @classmethod
@@ -65,6 +74,7 @@ class TaskRecord:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in event.items() if k in known}
         values["tags"] = tuple(values.get("tags") or ())
+        values["throttle_reasons"] = tuple(values.get("throttle_reasons") or ())
         return cls(**values)
 
     @property

@@ -41,6 +41,14 @@ TABLE_COLUMNS = (
     "task_run_id",
     "restart_reason",
     "oom_requested",
+    "gpu_share",
+    "gpu_seconds",
+    "sm_util_mean",
+    "sm_util_peak",
+    "util_scope",
+    "energy_j",
+    "temperature_peak_c",
+    "throttle_reasons",
 )
 
 
@@ -82,7 +90,8 @@ def emit_leak_event(record: TaskRecord) -> None:
         event=LEAK_EVENT,
         resource=_gpu_resource(record),
         related=_related(record),
-        payload={k: payload[k] for k in TABLE_COLUMNS} | {"tags": list(record.tags)},
+        payload={k: payload[k] for k in TABLE_COLUMNS}
+        | {"tags": list(record.tags), "throttle_reasons": list(record.throttle_reasons)},
     )
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import weakref
 from pathlib import Path
 
+from prefect_gpu_dask.activity import Instant, Tick
 from prefect_gpu_dask.health import HealthReadings
 from prefect_gpu_dask.probe import AllocatorBytes, GPUIdentity, MemorySample
 
@@ -46,6 +48,9 @@ class FakeDeviceProbe:
     def allocator_bytes(self) -> AllocatorBytes:
         return AllocatorBytes(owned=sum(b.nbytes for b in list(FakeBlock.live) if b.pooled))
 
+    def activity_reader(self) -> ScriptedActivity:
+        return ScriptedActivity()
+
     def health_reader(self) -> ScriptedHealth:
         from distributed import Worker
 
@@ -69,6 +74,30 @@ class ScriptedHealth:
         if "xid_events" in values:
             values["xid_events"] = tuple(values["xid_events"])
         return HealthReadings(FakeDeviceProbe.gpu.uuid, **values)
+
+
+class ScriptedActivity:
+    """A GPU that draws a steady ``POWER_W``, is ``SM_PERCENT`` busy with this process's
+    work, runs at ``TEMPERATURE_C`` and is held back by its software power cap."""
+
+    POWER_W = 200
+    SM_PERCENT = 37
+    TEMPERATURE_C = 61
+    REASONS = 0x4  # sw_power_cap
+
+    def __init__(self) -> None:
+        self.origin = time.time()
+
+    def instant(self) -> Instant:
+        return Instant(time.time(), self.POWER_W * 1000, self.TEMPERATURE_C, self.REASONS)
+
+    def tick(self) -> Tick:
+        now = time.time()
+        energy_mj = int(self.POWER_W * 1000 * (now - self.origin))
+        return Tick(now, energy_mj, self.TEMPERATURE_C, self.REASONS, ((now, self.SM_PERCENT),), "process")
+
+    def device_utilization(self) -> int:
+        return self.SM_PERCENT
 
 
 def make_sick(directory: Path, worker_name: str, **readings: object) -> None:

@@ -422,3 +422,86 @@ def test_real_gpu_health_is_checked_through_nvml_and_healthy_gpus_run_their_task
         print("health:", report)
     assert quarantines == ()
     assert all(r["healthy"] and not r["quarantined"] for r in reports)
+
+
+@task(tags=["gpu"])
+def matmuls_for(seconds: float) -> int:
+    import cupy
+
+    a = cupy.random.random((8192, 8192), dtype=cupy.float32)
+    done, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        a = a @ a
+        a /= cupy.abs(a).max()
+        cupy.cuda.Device().synchronize()
+        done += 1
+    return done
+
+
+@task(tags=["gpu"])
+def waits_for(seconds: float) -> None:
+    import cupy
+
+    cupy.zeros(1)  # a CUDA context, then nothing for the GPU to do
+    time.sleep(seconds)
+
+
+def nvidia_smi_power(stop, samples: list) -> None:
+    """``nvidia-smi --query-gpu=power.draw`` every 100 ms: (epoch seconds, watts)."""
+    import datetime
+    import subprocess
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    query = ["nvidia-smi", "-i", gpu, "--query-gpu=timestamp,power.draw", "--format=csv,noheader,nounits"]
+    with subprocess.Popen([*query, "-lms", "100"], stdout=subprocess.PIPE, text=True) as smi:
+        try:
+            for line in smi.stdout:
+                stamp, watts = (part.strip() for part in line.split(","))
+                when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                samples.append((when, float(watts)))
+                if stop.is_set():
+                    break
+        finally:
+            smi.terminate()
+
+
+def test_a_busy_task_and_an_idle_one_differ_in_utilisation_and_energy_as_nvidia_smi_sees_it():
+    import threading
+
+    stop, power = threading.Event(), []
+    sampler = threading.Thread(target=nvidia_smi_power, args=(stop, power), daemon=True)
+
+    @flow(task_runner=GPUDaskTaskRunner())
+    def busy_and_idle():
+        waits_for.submit(4.0).wait()  # the cluster and the CUDA context come up first
+        sampler.start()
+        idle = waits_for.submit(6.0)
+        idle.wait()
+        busy = matmuls_for.submit(6.0)
+        busy.wait()
+        time.sleep(1.0)
+        ids = {"idle": str(idle.task_run_id), "busy": str(busy.task_run_id)}
+        records = FlowRunContext.get().task_runner.records
+        return {name: next(r for r in records if r.task_run_id == id_) for name, id_ in ids.items()}
+
+    try:
+        records = busy_and_idle()
+    finally:
+        stop.set()
+    smi = {}
+    for name, r in records.items():
+        start, end = r.time - r.duration_s, r.time
+        inside = [watts for when, watts in power if start <= when <= end]
+        smi[name] = sum(inside) / len(inside) * r.duration_s if inside else None
+        print(
+            f"{name}: {r.duration_s:.2f} s, SM {r.sm_util_mean}% mean / {r.sm_util_peak}% peak "
+            f"({r.util_scope}), energy {r.energy_j} J (nvidia-smi power x time {smi[name]} J from "
+            f"{len(inside)} samples), peak {r.temperature_peak_c} C, throttle {r.throttle_reasons}, "
+            f"GPU-seconds {r.gpu_seconds}"
+        )
+    busy, idle = records["busy"], records["idle"]
+    assert busy.sm_util_mean > 50 and idle.sm_util_mean < 10, (busy, idle)
+    assert busy.energy_j > 1.5 * idle.energy_j, (busy.energy_j, idle.energy_j)
+    for name, r in records.items():
+        assert r.energy_j == pytest.approx(smi[name], rel=0.2), (name, r.energy_j, smi[name])
+    assert busy.gpu_share == 1 and busy.gpu_seconds == pytest.approx(busy.duration_s, abs=1e-5)

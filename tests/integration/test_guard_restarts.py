@@ -363,24 +363,41 @@ def test_each_record_reaches_the_ui_while_the_flow_still_runs(dask_processes, tm
 
     @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def long_night():
+        busy = half_gpu_busy.submit(0.8)
         leaked = leaky.submit(ledger, 512 * MiB)
         leaked.result()
-        task_run_id = leaked.task_run_id
+        busy.wait()
+        artifacts = {}
         deadline = time.monotonic() + 30
         with get_client(sync_client=True) as client:
-            while time.monotonic() < deadline:  # the flow is still running meanwhile
-                found = client.read_artifacts(
-                    artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id]))
-                )
-                if found:
-                    return found
+            while time.monotonic() < deadline and len(artifacts) < 2:  # the flow still runs
+                for future in (leaked, busy):
+                    found = client.read_artifacts(
+                        artifact_filter=ArtifactFilter(
+                            task_run_id=ArtifactFilterTaskRunId(any_=[future.task_run_id])
+                        )
+                    )
+                    if found:
+                        artifacts[future] = found
                 time.sleep(0.2)
-        return []
+        return artifacts.get(leaked, []), artifacts.get(busy, [])
 
-    [artifact] = long_night()
-    assert artifact.type == "table"
-    [row] = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    (leak_artifact,), (busy_artifact,) = long_night()
+    assert leak_artifact.type == "table"
+    [row] = json.loads(leak_artifact.data) if isinstance(leak_artifact.data, str) else leak_artifact.data
     assert row["verdict"] == "leak" and row["delta_bytes"] == 512 * MiB and row["delta"] == "512.00 MiB"
+    # What else the task did on its GPU (tests/scripted_probe.py: 200 W, 37 % busy, 61 C).
+    [row] = json.loads(busy_artifact.data) if isinstance(busy_artifact.data, str) else busy_artifact.data
+    assert row["energy_j"] == pytest.approx(200 * row["duration_s"], rel=0.15), row
+    assert (row["sm_util_mean"], row["sm_util_peak"], row["util_scope"]) == (37, 37, "process"), row
+    assert row["temperature_peak_c"] == 61 and row["throttle_reasons"] == ["sw_power_cap"], row
+    assert row["gpu_share"] == 0.5, row
+    assert row["gpu_seconds"] == pytest.approx(0.5 * row["duration_s"], abs=1e-5), row
+
+
+@task(tags=["gpu:0.5"])
+def half_gpu_busy(seconds: float) -> None:
+    time.sleep(seconds)
 
 
 @task(tags=["gpu"])

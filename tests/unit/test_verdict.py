@@ -224,7 +224,7 @@ def test_guard_reads_the_process_only_before_a_task_and_judges_the_same(after, d
     guard = started_guard(probe)
     ticket, before, started = guard.begin()
     assert probe.calls == ["sample_process"] and before.judged == 1 * GiB
-    verdict, peak, _ = guard.end(ticket, before, started)
+    verdict, peak, _, _ = guard.end(ticket, before, started)
     assert probe.calls[1] == "sample"  # the first reading after the task is a full one
     assert verdict.status == status and verdict.after.device_used == device_used
     assert (verdict.restart_reason or "").startswith(reason or "") and bool(verdict.restart_reason) == bool(

@@ -1,0 +1,269 @@
+"""What a guarded task did with its GPU besides memory: SM utilisation, energy,
+temperature and clock throttling, from NVML, on the worker that ran it.
+
+Two of these readings are slow (the energy counter and the utilisation samples take
+milliseconds a call, ``benchmarks/probes/nvml_activity_cost.py``), so a task's own
+thread never makes them. One daemon thread per worker ("gpu-activity") reads them
+while guarded tasks run: at once when a task starts, then every ``TICK_S``. The task
+thread reads only power, temperature and throttle reasons (microseconds each) as it
+starts and ends, and its energy is the counter's difference between the ticks inside
+the task, stretched to the task's own start and end by the power read there.
+
+``ActivityWatch`` is pure bookkeeping over an ``ActivityReader``: NVML on a GPU
+(``NvmlActivity``), scripted answers in the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+logger = logging.getLogger("prefect_gpu_dask.activity")
+
+TICK_S = 0.25
+PROCESS, DEVICE = "process", "device"
+# NVML clock event reasons that slow a GPU down (idle and application clocks do not).
+THROTTLE_REASONS = {
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+    0x100: "display_clock",
+}
+
+
+class Instant(NamedTuple):
+    """The cheap readings, taken on the task thread as a task starts and ends."""
+
+    time: float  # seconds since the epoch
+    power_mw: int | None
+    temperature_c: int | None
+    reasons: int  # clock event reasons bitmask (0: unknown or none)
+
+
+class Tick(NamedTuple):
+    """The slow readings, taken on the activity thread."""
+
+    time: float
+    energy_mj: int | None  # the device's energy counter (None: not supported)
+    temperature_c: int | None
+    reasons: int
+    utilization: tuple[tuple[float, int], ...]  # (time, SM %) samples since the last tick
+    scope: str | None  # PROCESS: this process's samples; DEVICE: the whole GPU's
+
+
+class ActivityReader(Protocol):
+    def instant(self) -> Instant: ...
+
+    def tick(self) -> Tick: ...
+
+    def device_utilization(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One task's GPU activity, for its record."""
+
+    sm_util_mean: float | None
+    sm_util_peak: float | None
+    util_scope: str | None
+    energy_j: float | None
+    temperature_peak_c: int | None
+    throttle_reasons: tuple[str, ...]
+
+
+def throttle_names(reasons: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in THROTTLE_REASONS.items() if reasons & bit)
+
+
+@dataclass
+class _Open:
+    """What the ticks saw of one running task."""
+
+    start: Instant
+    first: tuple[float, int] | None = None  # (time, energy mJ) of the first tick inside it
+    last: tuple[float, int] | None = None
+    temperature_peak: int | None = None
+    reasons: int = 0
+    utilization: list[int] = field(default_factory=list)
+    scope: str | None = None
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def judge(opened: _Open, end: Instant, device_utilization: int | None) -> Activity:
+    """The activity of a task from what the ticks saw and its own start and end readings."""
+    start = opened.start
+    duration = max(end.time - start.time, 0.0)
+    energy = None
+    if opened.first is not None and opened.last is not None:
+        (t0, e0), (t1, e1) = opened.first, opened.last
+        before = (start.power_mw or 0) * max(t0 - start.time, 0.0)  # mJ
+        after = (end.power_mw or 0) * max(end.time - t1, 0.0)
+        energy = (e1 - e0 + before + after) / 1000
+    elif start.power_mw is not None and end.power_mw is not None:
+        energy = (start.power_mw + end.power_mw) / 2 * duration / 1000
+    samples, scope = opened.utilization, opened.scope
+    if not samples and device_utilization is not None:
+        # A task shorter than the driver's sampling: the device's latest figure.
+        samples, scope = [device_utilization], DEVICE
+    temperature = _max(_max(start.temperature_c, end.temperature_c), opened.temperature_peak)
+    return Activity(
+        sm_util_mean=sum(samples) / len(samples) if samples else None,
+        sm_util_peak=float(max(samples)) if samples else None,
+        util_scope=scope if samples else None,
+        energy_j=energy,
+        temperature_peak_c=temperature,
+        throttle_reasons=throttle_names(start.reasons | end.reasons | opened.reasons),
+    )
+
+
+class ActivityWatch:
+    """Tracks the activity of every guarded task running on one worker's GPU."""
+
+    def __init__(self, reader: ActivityReader, tick_s: float = TICK_S):
+        self._reader = reader
+        self._tick_s = tick_s
+        self._open: dict[int, _Open] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._started = threading.Event()  # a task started: tick now
+        self._thread: threading.Thread | None = None
+
+    def start(self, ticket: int) -> None:
+        try:
+            start = self._reader.instant()
+        except Exception:  # activity is a bonus: never fail a task for it
+            return
+        with self._lock:
+            self._open[ticket] = _Open(start)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpu-activity", daemon=True)
+            self._thread.start()
+        self._started.set()
+        self._wake.set()
+
+    def stop(self, ticket: int) -> Activity | None:
+        with self._lock:
+            opened = self._open.pop(ticket, None)
+            if not self._open:
+                self._wake.clear()
+        if opened is None:
+            return None
+        try:
+            end = self._reader.instant()
+            device = self._reader.device_utilization() if not opened.utilization else None
+        except Exception:
+            return None
+        return judge(opened, end, device)
+
+    def _run(self) -> None:
+        last = float("-inf")
+        while True:
+            self._wake.wait()
+            if not self._started.is_set():
+                self._started.wait(self._tick_s)
+            # A start ticks at once, but never sooner than this after the last tick:
+            # a stream of short tasks must not keep the thread reading.
+            time.sleep(max(0.0, last + self._tick_s / 5 - time.monotonic()))
+            self._started.clear()
+            with self._lock:
+                if not self._open:
+                    continue
+            last = time.monotonic()
+            try:
+                tick = self._reader.tick()
+            except Exception as exc:  # a failing read must never break the worker
+                logger.debug("GPU activity reading failed: %r", exc)
+                time.sleep(self._tick_s)
+                continue
+            with self._lock:
+                for opened in self._open.values():
+                    self._see(opened, tick)
+
+    @staticmethod
+    def _see(opened: _Open, tick: Tick) -> None:
+        if tick.energy_mj is not None and tick.time >= opened.start.time:
+            if opened.first is None:
+                opened.first = (tick.time, tick.energy_mj)
+            opened.last = (tick.time, tick.energy_mj)
+        opened.temperature_peak = _max(opened.temperature_peak, tick.temperature_c)
+        opened.reasons |= tick.reasons
+        for sampled_at, percent in tick.utilization:
+            if sampled_at >= opened.start.time:
+                opened.utilization.append(percent)
+                opened.scope = tick.scope
+
+
+class NvmlActivity:
+    """``ActivityReader`` over NVML for one GPU and one process."""
+
+    def __init__(self, handle: Any, pid: int):
+        self._handle = handle
+        self._pid = pid
+        self._seen_us = int(time.time() * 1e6)
+        self._scope: str | None = PROCESS
+
+    def _call(self, name: str, *args: Any) -> Any:
+        import pynvml
+
+        try:
+            return getattr(pynvml, name)(self._handle, *args)
+        except (pynvml.NVMLError, AttributeError):
+            return None
+
+    def instant(self) -> Instant:
+        import pynvml
+
+        reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons")
+        return Instant(
+            time.time(),
+            self._call("nvmlDeviceGetPowerUsage"),
+            self._call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU),
+            int(reasons or 0),
+        )
+
+    def device_utilization(self) -> int | None:
+        rates = self._call("nvmlDeviceGetUtilizationRates")
+        return None if rates is None else int(rates.gpu)
+
+    def _utilization(self) -> tuple[tuple[tuple[float, int], ...], str | None]:
+        import pynvml
+
+        since, self._seen_us = self._seen_us, int(time.time() * 1e6)
+        if self._scope == PROCESS:
+            try:
+                samples = pynvml.nvmlDeviceGetProcessUtilization(self._handle, since)
+            except pynvml.NVMLError_NotFound:  # no samples since: the process was idle
+                return ((self._seen_us / 1e6, 0),), PROCESS
+            except pynvml.NVMLError:
+                self._scope = DEVICE  # per-process figures not supported here (MIG, vGPU)
+            else:
+                mine = tuple((s.timeStamp / 1e6, int(s.smUtil)) for s in samples if s.pid == self._pid)
+                return mine or ((self._seen_us / 1e6, 0),), PROCESS
+        try:
+            _, samples = pynvml.nvmlDeviceGetSamples(self._handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since)
+        except pynvml.NVMLError:
+            return (), None
+        return tuple((s.timeStamp / 1e6, int(s.sampleValue.uiVal)) for s in samples), DEVICE
+
+    def tick(self) -> Tick:
+        import pynvml
+
+        utilization, scope = self._utilization()
+        reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons")
+        return Tick(
+            time.time(),
+            self._call("nvmlDeviceGetTotalEnergyConsumption"),
+            self._call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU),
+            int(reasons or 0),
+            utilization,
+            scope,
+        )

@@ -1,0 +1,76 @@
+"""A task's GPU activity (utilisation, energy, temperature, throttling) from scripted
+NVML answers: the bookkeeping, not the driver."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from prefect_gpu_dask.activity import DEVICE, PROCESS, ActivityWatch, Instant, Tick, _Open, judge
+
+
+def test_energy_is_the_counter_between_ticks_stretched_to_the_task_by_its_power():
+    opened = _Open(Instant(100.0, 300_000, 50, 0), first=(100.1, 1_000_000), last=(101.9, 1_540_000))
+    activity = judge(opened, Instant(102.0, 300_000, 55, 0), device_utilization=None)
+    # 540 J between the ticks, 0.1 s at 300 W before the first and after the last.
+    assert activity.energy_j == pytest.approx(540 + 30 + 30)
+    assert activity.temperature_peak_c == 55
+
+
+def test_a_task_between_two_ticks_gets_its_power_times_its_time_and_the_device_utilisation():
+    start, end = Instant(5.0, 100_000, 40, 0), Instant(5.5, 300_000, 41, 0x40)
+    activity = judge(_Open(start), end, device_utilization=12)
+    assert activity.energy_j == pytest.approx(0.5 * 200)  # mean power, watts x seconds
+    assert (activity.sm_util_mean, activity.sm_util_peak, activity.util_scope) == (12, 12, DEVICE)
+    assert activity.throttle_reasons == ("hw_thermal",)
+
+
+def test_idle_application_clocks_are_not_throttling():
+    idle = Instant(0.0, None, None, 0x1 | 0x2)  # GPU idle, application clocks
+    activity = judge(_Open(idle, reasons=0x4), Instant(1.0, None, None, 0), None)
+    assert activity.throttle_reasons == ("sw_power_cap",)
+    assert activity.energy_j is None and activity.sm_util_mean is None and activity.util_scope is None
+
+
+class Reader:
+    """Power 250 W; the SMs of this process 90 % busy; the energy counter runs with time."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    def instant(self) -> Instant:
+        return Instant(time.time(), 250_000, 60, 0)
+
+    def tick(self) -> Tick:
+        self.ticks += 1
+        now = time.time()
+        return Tick(now, int(250_000 * now), 70, 0x8, ((now, 90),), PROCESS)
+
+    def device_utilization(self) -> int:
+        raise AssertionError("process samples were there: the device figure is not read")
+
+
+def test_the_watch_ticks_while_a_task_runs_and_judges_it_when_it_ends():
+    reader = Reader()
+    watch = ActivityWatch(reader, tick_s=0.05)
+    watch.start(1)
+    time.sleep(0.5)
+    activity = watch.stop(1)
+    assert reader.ticks >= 5
+    assert activity.energy_j == pytest.approx(0.5 * 250, rel=0.1)
+    assert (activity.sm_util_mean, activity.sm_util_peak, activity.util_scope) == (90, 90, PROCESS)
+    assert activity.temperature_peak_c == 70 and activity.throttle_reasons == ("hw_slowdown",)
+    ticks = reader.ticks
+    time.sleep(0.2)
+    assert reader.ticks <= ticks + 1  # no task open: the thread stops reading
+
+
+def test_a_reader_that_fails_never_fails_the_task():
+    class Broken(Reader):
+        def instant(self) -> Instant:
+            raise RuntimeError("NVML went away")
+
+    watch = ActivityWatch(Broken(), tick_s=0.05)
+    watch.start(1)
+    assert watch.stop(1) is None
