@@ -136,6 +136,7 @@ class ActivityWatch:
         self._wake = threading.Event()
         self._started = threading.Event()  # a task started: tick now
         self._thread: threading.Thread | None = None
+        self._last_tick = float("-inf")  # monotonic
 
     def start(self, ticket: int) -> None:
         try:
@@ -147,8 +148,12 @@ class ActivityWatch:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpu-activity", daemon=True)
             self._thread.start()
-        self._started.set()
-        self._wake.set()
+        # Waking the thread costs the task thread the GIL handoff: only when its last
+        # tick is old enough that a new one would be taken at once.
+        if time.monotonic() - self._last_tick > self._tick_s / 5:
+            self._started.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def stop(self, ticket: int) -> Activity | None:
         with self._lock:
@@ -165,19 +170,18 @@ class ActivityWatch:
         return judge(opened, end, device)
 
     def _run(self) -> None:
-        last = float("-inf")
         while True:
             self._wake.wait()
             if not self._started.is_set():
                 self._started.wait(self._tick_s)
             # A start ticks at once, but never sooner than this after the last tick:
             # a stream of short tasks must not keep the thread reading.
-            time.sleep(max(0.0, last + self._tick_s / 5 - time.monotonic()))
+            time.sleep(max(0.0, self._last_tick + self._tick_s / 5 - time.monotonic()))
             self._started.clear()
             with self._lock:
                 if not self._open:
                     continue
-            last = time.monotonic()
+            self._last_tick = time.monotonic()
             try:
                 tick = self._reader.tick()
             except Exception as exc:  # a failing read must never break the worker

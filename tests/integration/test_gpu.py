@@ -469,12 +469,11 @@ def test_a_busy_task_and_an_idle_one_differ_in_utilisation_and_energy_as_nvidia_
     import threading
 
     stop, power = threading.Event(), []
-    sampler = threading.Thread(target=nvidia_smi_power, args=(stop, power), daemon=True)
+    threading.Thread(target=nvidia_smi_power, args=(stop, power), daemon=True).start()
 
     @flow(task_runner=GPUDaskTaskRunner())
-    def busy_and_idle():
+    def busy_and_idle():  # closes over nothing: Prefect sends the flow to the workers
         waits_for.submit(4.0).wait()  # the cluster and the CUDA context come up first
-        sampler.start()
         idle = waits_for.submit(6.0)
         idle.wait()
         busy = matmuls_for.submit(6.0)
