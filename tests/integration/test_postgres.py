@@ -9,6 +9,8 @@ import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from prefect_gpu_dask import GPUDaskTaskRunner
@@ -55,6 +57,10 @@ def test_gpu_flow_on_a_postgresql_backed_server():
                         break
                     time.sleep(0.5)
                 flow_run = client.read_flow_run(flow_run_id)
+            # This process's event and log senders point at this server: empty them while
+            # it still answers, not at the session's end against a stopped one.
+            EventsWorker.drain_all(timeout=30)
+            APILogWorker.drain_all(timeout=30)
     assert out == [i * i for i in range(40)] + [-i for i in range(40)]
     assert flow_run.state.is_completed()
     assert len(task_runs) == 80 and all(run.state.is_completed() for run in task_runs)
