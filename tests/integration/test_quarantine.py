@@ -81,7 +81,10 @@ def test_a_gpu_found_sick_before_a_task_is_quarantined_and_its_queued_work_moves
     assert (sick.worker_name, sick.withdrawn, sick.healthy_gpu_workers) == ("gpu-a", True, 1)
     assert sick.reasons == ("1 volatile uncorrectable ECC error",)
 
-    events = read_events([UNHEALTHY_EVENT], until=lambda evs: len(evs) >= 1)
+    # Only this flow run's: other tests in this session also quarantine their "gpu-a".
+    events = read_events(
+        [UNHEALTHY_EVENT], related=f"prefect.flow-run.{flow_run_id}", until=lambda evs: len(evs) >= 1
+    )
     assert [e.payload["worker_name"] for e in events] == ["gpu-a"]
     assert events[0].payload["reasons"] == ["1 volatile uncorrectable ECC error"]
     assert events[0].resource.id == f"prefect-gpu-dask.gpu.{sick.gpu_uuid}"
