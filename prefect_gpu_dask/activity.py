@@ -259,15 +259,7 @@ class NvmlActivity:
         return tuple((s.timeStamp / 1e6, int(s.sampleValue.uiVal)) for s in samples), DEVICE
 
     def tick(self) -> Tick:
-        import pynvml
-
         utilization, scope = self._utilization()
-        reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons")
-        return Tick(
-            time.time(),
-            self._call("nvmlDeviceGetTotalEnergyConsumption"),
-            self._call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU),
-            int(reasons or 0),
-            utilization,
-            scope,
-        )
+        now = self.instant()  # temperature and reasons as a task reads them (power unused)
+        energy = self._call("nvmlDeviceGetTotalEnergyConsumption")
+        return Tick(now.time, energy, now.temperature_c, now.reasons, utilization, scope)
