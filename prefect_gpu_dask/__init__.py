@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from prefect_gpu_dask.arrays import array_module, gpu_available
     from prefect_gpu_dask.compute import compute_on_gpus
     from prefect_gpu_dask.fallback import MissingResourceError
+    from prefect_gpu_dask.flow_run_report import (
+        FlowRunGPUReport,
+        aread_flow_run_gpu_report,
+        read_flow_run_gpu_report,
+    )
     from prefect_gpu_dask.guard import GPUMemoryGuard
     from prefect_gpu_dask.probe import MemoryProbe, MemorySample, NvmlProbe
     from prefect_gpu_dask.quarantine import UnhealthyGPUError
@@ -21,6 +26,7 @@ if TYPE_CHECKING:
     from prefect_gpu_dask.routing import Route, TagRouter, parse_gpu_tag
     from prefect_gpu_dask.runner import GPUDaskTaskRunner
     from prefect_gpu_dask.settings import RunnerSettings
+    from prefect_gpu_dask.sizing import SizingHint
 
 _HOMES = {
     "GPUDaskTaskRunner": "runner",
@@ -40,8 +46,13 @@ _HOMES = {
     "array_module": "arrays",
     "gpu_available": "arrays",
     "compute_on_gpus": "compute",
+    "FlowRunGPUReport": "flow_run_report",
+    "read_flow_run_gpu_report": "flow_run_report",
+    "aread_flow_run_gpu_report": "flow_run_report",
+    "SizingHint": "sizing",
 }
 __all__ = [
+    "FlowRunGPUReport",
     "GPUDaskTaskRunner",
     "GPUMemoryGuard",
     "GPUQuarantine",
@@ -52,13 +63,16 @@ __all__ = [
     "RestartRecord",
     "Route",
     "RunnerSettings",
+    "SizingHint",
     "TagRouter",
     "TaskRecord",
     "UnhealthyGPUError",
+    "aread_flow_run_gpu_report",
     "array_module",
     "compute_on_gpus",
     "gpu_available",
     "parse_gpu_tag",
+    "read_flow_run_gpu_report",
 ]
 __version__ = "0.1.0"
 

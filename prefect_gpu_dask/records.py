@@ -19,6 +19,17 @@ VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 HUNG_TOPIC = "prefect-gpu-dask-hung"
 UNHEALTHY_TOPIC = "prefect-gpu-dask-unhealthy"
+# TaskRecord fields that count bytes: tables show them readable and keep the number beside.
+BYTE_FIELDS = (
+    "before",
+    "after",
+    "peak",
+    "delta",
+    "allocator_delta",
+    "oom_requested",
+    "device_used",
+    "device_total",
+)
 
 
 def format_bytes(n: int) -> str:
@@ -76,6 +87,17 @@ class TaskRecord:
         values["tags"] = tuple(values.get("tags") or ())
         values["throttle_reasons"] = tuple(values.get("throttle_reasons") or ())
         return cls(**values)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> TaskRecord:
+        """A row of the runner's table artifacts (``reporting.table_rows``) as a record."""
+        values = dict(row)
+        for name in BYTE_FIELDS:
+            if f"{name}_bytes" in values:
+                values[name] = values.pop(f"{name}_bytes")
+        if isinstance(values.get("tags"), str):
+            values["tags"] = [tag for tag in values["tags"].split(", ") if tag]
+        return cls.from_event(values)
 
     @property
     def growth(self) -> int:
@@ -178,3 +200,8 @@ class RestartRecord:
 
     def to_payload(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> RestartRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in payload.items() if k in known})

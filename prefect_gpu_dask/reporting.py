@@ -18,7 +18,16 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from prefect_gpu_dask.records import LEAK, VERDICTS, GPUQuarantine, RestartRecord, TaskRecord, format_bytes
+from prefect_gpu_dask import chart, sizing
+from prefect_gpu_dask.records import (
+    BYTE_FIELDS,
+    LEAK,
+    VERDICTS,
+    GPUQuarantine,
+    RestartRecord,
+    TaskRecord,
+    format_bytes,
+)
 
 TABLE_KEY = "gpu-memory"
 SUMMARY_KEY = "gpu-memory-summary"
@@ -39,6 +48,7 @@ TABLE_COLUMNS = (
     "worker",
     "tags",
     "task_run_id",
+    "flow_run_id",
     "restart_reason",
     "oom_requested",
     "gpu_share",
@@ -49,7 +59,15 @@ TABLE_COLUMNS = (
     "energy_j",
     "temperature_peak_c",
     "throttle_reasons",
+    "task_name",
+    "worker_name",
+    "pid",
+    "device_used",
+    "device_total",
+    "oom_library",
+    "time",
 )
+TASK_TABLE_DESCRIPTION = "GPU memory of this task run"
 
 
 Described = TaskRecord | RestartRecord | GPUQuarantine
@@ -116,18 +134,15 @@ def emit_unhealthy_event(quarantine: GPUQuarantine) -> None:
     )
 
 
-BYTE_COLUMNS = ("before", "after", "peak", "delta", "allocator_delta")
-
-
 def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
     """One row per record: sizes readable (``before``) and as numbers (``before_bytes``)."""
     rows = []
     for record in records:
         values = asdict(record)
         row = {column: values[column] for column in TABLE_COLUMNS}
-        for column in BYTE_COLUMNS:
+        for column in BYTE_FIELDS:
             row[column] = "n/a" if values[column] is None else format_bytes(values[column])
-        row.update({f"{column}_bytes": values[column] for column in BYTE_COLUMNS})
+        row.update({f"{column}_bytes": values[column] for column in BYTE_FIELDS})
         row["tags"] = ", ".join(record.tags)
         rows.append(row)
     return rows
@@ -172,7 +187,7 @@ class LivePublisher:
             try:
                 TableArtifact(
                     table=table_rows([record]),
-                    description=f"GPU memory of this task run: {record.verdict} (prefect-gpu-dask)",
+                    description=f"{TASK_TABLE_DESCRIPTION}: {record.verdict} (prefect-gpu-dask)",
                     task_run_id=record.task_run_id,
                     flow_run_id=record.flow_run_id,
                 ).create()
@@ -184,6 +199,7 @@ def summary_markdown(
     records: Sequence[TaskRecord],
     restarts: Sequence[RestartRecord],
     quarantines: Sequence[GPUQuarantine] = (),
+    hints: Sequence[sizing.SizingHint] = (),
 ) -> str:
     per_gpu: dict[str, Counter] = defaultdict(Counter)
     for record in records:
@@ -236,6 +252,17 @@ def summary_markdown(
     for r in top:
         bar = "█" * round(20 * r.growth / scale)
         lines.append(f"| {r.task_run_name} | {format_bytes(r.growth)} {bar} | {format_bytes(r.delta)} |")
+    if hints:
+        lines += [
+            "",
+            "## Right-sizing",
+            "",
+            "What each task added to its GPU at its peak, the worst of its recent runs:",
+            "",
+        ]
+        lines += [f"- **{hint.task_name}** {hint.describe()}" for hint in hints]
+    if (svg := chart.memory_timeline_svg(records)) is not None:
+        lines += ["", "## GPU memory over time", "", chart.markdown_image(svg)]
     return "\n".join(lines) + "\n"
 
 
@@ -244,9 +271,22 @@ def publish_artifacts(
     records: Sequence[TaskRecord],
     restarts: Sequence[RestartRecord],
     quarantines: Sequence[GPUQuarantine] = (),
+    flow_name: str | None = None,
+    logger: logging.Logger | None = None,
 ) -> None:
-    """Attach the records to the flow run as a table and a markdown summary."""
+    """Attach the records to the flow run as a table and a markdown summary.
+
+    With ``flow_name``, this run's peaks join the flow's sizing history first, so the
+    summary's right-sizing hints speak of its recent runs.
+    """
     from prefect.artifacts import MarkdownArtifact, TableArtifact
+
+    history = sizing.worst_per_task(records)
+    if flow_name and history:
+        try:
+            history = sizing.remember(flow_name, records)
+        except Exception as exc:  # the hint then speaks of this run alone
+            (logger or logging.getLogger(__name__)).warning("Could not keep the GPU sizing history: %s", exc)
 
     with warnings.catch_warnings():
         # The task runner closes after the flow run context; we name the run explicitly.
@@ -256,10 +296,10 @@ def publish_artifacts(
             table=table_rows(records),
             description="GPU memory per guarded task (prefect-gpu-dask)",
             flow_run_id=flow_run_id,
-        ).create()
+        ).create(_sync=True)
         MarkdownArtifact(
             key=SUMMARY_KEY,
-            markdown=summary_markdown(records, restarts, quarantines),
+            markdown=summary_markdown(records, restarts, quarantines, sizing.hints(records, history)),
             description="GPUs used, leaks, restarts, quarantined GPUs (prefect-gpu-dask)",
             flow_run_id=flow_run_id,
-        ).create()
+        ).create(_sync=True)

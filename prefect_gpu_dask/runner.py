@@ -207,6 +207,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._can_grow = True  # workers may still join: tasks wait for their resources
         self._guard_on = False
         self._flow_run_id: str | None = None
+        self._flow_name: str | None = None  # keys the right-sizing history
         self._flow_context: contextvars.Context | None = None
         self._live: reporting.LivePublisher | None = None
         self._made_cluster = False  # a cluster this runner built closes with the flow
@@ -379,6 +380,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self.client  # noqa: B018  # start the cluster before routing needs its workers
         if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
             self._flow_run_id = str(ctx.flow_run.id)
+            self._flow_name = ctx.flow.name if ctx.flow is not None else None
         # Route under the recycler's hold: a worker being recycled is not "missing".
         with self._recycler.submissions():
             route = self.router.route(
@@ -565,7 +567,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             if self._guard_on and self._flow_run_id and connected:
                 records, restarts, quarantines = self.records, self.restarts, self.quarantines
                 if records or restarts or quarantines:
-                    reporting.publish_artifacts(self._flow_run_id, records, restarts, quarantines)
+                    reporting.publish_artifacts(
+                        self._flow_run_id, records, restarts, quarantines, self._flow_name, self.logger
+                    )
         except Exception:
             self.logger.exception("Could not publish the GPU memory report")
         finally:

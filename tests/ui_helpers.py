@@ -36,9 +36,12 @@ def clean(i: int) -> int:
     return i
 
 
-def run_leaking_flow(address: str, clean_first: int = 0, timeout: float = 60) -> dict[str, Any]:
+def run_leaking_flow(
+    address: str, clean_first: int = 0, timeout: float = 60, hold_s: float = 0
+) -> dict[str, Any]:
     """``clean_first`` clean gpu tasks, one leaking one, then clean ones until the leaking
-    worker has been restarted."""
+    worker has been restarted; with ``hold_s``, the flow then prints ``HOLDING <flow run id>``
+    and stays running that long (for a test that kills it)."""
 
     @flow(name="gpu-leak-demo", task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def gpu_leak_demo() -> dict[str, Any]:
@@ -55,6 +58,9 @@ def run_leaking_flow(address: str, clean_first: int = 0, timeout: float = 60) ->
             if runner.restarts or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        if hold_s:
+            print("HOLDING", FlowRunContext.get().flow_run.id, flush=True)
+            time.sleep(hold_s)
         return {
             "flow_run_id": str(FlowRunContext.get().flow_run.id),
             "leaky_task_run_id": str(leaked.task_run_id),

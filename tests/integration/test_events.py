@@ -21,7 +21,9 @@ from prefect.client.orchestration import get_client
 from prefect.events.schemas.automations import AutomationCore
 from prefect.server.events.schemas.automations import EventTrigger as ServerEventTrigger
 from prefect.server.events.schemas.events import ReceivedEvent as ServerReceivedEvent
+from prefect.variables import Variable
 
+from prefect_gpu_dask import read_flow_run_gpu_report, sizing
 from prefect_gpu_dask.reporting import LEAK_EVENT, RESTART_EVENT
 from tests.scripted_probe import FakeDeviceProbe
 from tests.ui_helpers import LEAK_BYTES, read_events, run_leaking_flow, start_guarded_cluster
@@ -168,6 +170,14 @@ def test_leak_and_restart_events_reach_the_api_and_fire_the_automation(dask_proc
     assert restart.payload["new_pid"] != restart.payload["old_pid"]
     assert restart.payload["memory_after"] == 0
     assert restart.occurred >= leak.occurred
+
+    # -- read back as types, and the flow's sizing history kept in a Prefect Variable ---
+    report = read_flow_run_gpu_report(out["flow_run_id"])
+    assert report.restarts == tuple(out["restarts"])
+    [leaked] = report.leaks
+    assert leaked.task_run_id == out["leaky_task_run_id"] and leaked.delta == LEAK_BYTES
+    history = Variable.get(sizing.variable_name("gpu-leak-demo"))
+    assert LEAK_BYTES in history["leaky"]["peaks"], history
 
     # -- the automation's trigger, as the server stores it, matches the leak only ---
     with get_client(sync_client=True) as client:

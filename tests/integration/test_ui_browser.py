@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prefect_gpu_dask.chart import WIDTH
 from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
 from tests.ui_helpers import LEAK_BYTES, HeadlessChromium, start_guarded_cluster
 
@@ -36,6 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 TABLE_PNG = "flow-run-gpu-memory.png"
 SUMMARY_PNG = "flow-run-gpu-memory-summary.png"
+CHART_PNG = "flow-run-gpu-memory-chart.png"
+# The summary's chart as the browser decoded it, scrolled into view.
+CHART_IMAGE = """(() => {
+    const img = [...document.images].find(i => i.src.startsWith('data:image/svg+xml'));
+    if (!img) return null;
+    img.scrollIntoView({block: 'center'});
+    return {complete: img.complete, width: img.naturalWidth, shown: img.getBoundingClientRect().height};
+})()"""
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 FLOW_SCRIPT = """
@@ -248,6 +257,17 @@ def test_flow_run_page_renders_the_gpu_memory_artifact(chromium_path, dask_proce
         text = browser.wait_for_text("GPU memory summary", "Worker restarts", "Top memory consumers")
         assert f"leaky-{LEAK_BYTES} left 512.00 MiB on GPU 0" in text
         save_screenshot(browser, tmp_path, SUMMARY_PNG)
+
+        # -- its right-sizing hints, and memory over time drawn as an image -----------
+        text = browser.wait_for_text("Right-sizing", "GPU memory over time")
+        assert "leaky peaks at 512.00 MiB of 16.00 GiB: gpu:0.05 fits; it asked for gpu" in text, text
+        drawn = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (drawn and drawn["width"] > 0):
+            drawn = browser.evaluate(CHART_IMAGE)
+            time.sleep(0.25)
+        assert drawn and drawn["complete"] and drawn["width"] == WIDTH and drawn["shown"] > 100, drawn
+        save_screenshot(browser, tmp_path, CHART_PNG)
         phases["browser"] = time.monotonic() - started
     finally:
         if browser is not None:

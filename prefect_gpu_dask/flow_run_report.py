@@ -1,0 +1,117 @@
+"""What a flow run did to its GPUs, read back from the Prefect API once it is over.
+
+The records come from the table artifacts the runner publishes (one per task run as
+each task finishes, and the flow-wide table at flow end), so a flow run that crashed
+still has the records of every task that finished; the restarts come from the
+``prefect-gpu-dask.worker.restarted`` events related to the flow run. No runner,
+cluster or GPU is needed to read them: any process that reaches the API can.
+
+Example:
+    ```python
+    from prefect_gpu_dask import read_flow_run_gpu_report
+
+    report = read_flow_run_gpu_report("4b7c...-flow-run-id")
+    for record in report.leaks:
+        print(record.task_run_name, record.delta, record.worker)
+    for restart in report.restarts:
+        print(restart.worker_name, restart.reason, restart.memory_free_s, restart.serving_s)
+    ```
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from prefect_gpu_dask.records import LEAK, RestartRecord, TaskRecord
+from prefect_gpu_dask.reporting import RESTART_EVENT, TABLE_KEY, TASK_TABLE_DESCRIPTION
+
+PAGE = 200  # the API's default page limit for artifacts
+EVENTS_PAGE = 50  # and its most events per page
+
+
+@dataclass(frozen=True)
+class FlowRunGPUReport:
+    """The guard's records and the runner's restarts of one flow run, oldest first."""
+
+    flow_run_id: str
+    records: tuple[TaskRecord, ...]
+    restarts: tuple[RestartRecord, ...]
+
+    @property
+    def leaks(self) -> tuple[TaskRecord, ...]:
+        return tuple(r for r in self.records if r.verdict == LEAK)
+
+    def for_task_run(self, task_run_id: str | UUID) -> tuple[TaskRecord, ...]:
+        """A task run's records: one per attempt (an OOM retry adds one)."""
+        return tuple(r for r in self.records if r.task_run_id == str(task_run_id))
+
+
+def _rows(data: Any) -> list[dict[str, Any]]:
+    rows = json.loads(data) if isinstance(data, str) else data
+    return [row for row in rows or () if isinstance(row, dict)]
+
+
+def _records(artifacts: Iterable[Any]) -> tuple[TaskRecord, ...]:
+    seen: dict[tuple[Any, ...], TaskRecord] = {}
+    for artifact in artifacts:
+        ours = artifact.key == TABLE_KEY or (artifact.description or "").startswith(TASK_TABLE_DESCRIPTION)
+        if artifact.type != "table" or not ours:
+            continue
+        for row in _rows(artifact.data):
+            record = TaskRecord.from_row(row)
+            # The flow-end table repeats what the per-task tables said.
+            seen[(record.task_run_id, record.pid, record.time)] = record
+    return tuple(sorted(seen.values(), key=lambda r: r.time))
+
+
+def _restarts(events: Iterable[Any]) -> tuple[RestartRecord, ...]:
+    ours = sorted((e for e in events if e.event == RESTART_EVENT), key=lambda e: e.occurred)
+    return tuple(RestartRecord.from_payload(event.payload) for event in ours)
+
+
+def _filters(flow_run_id: str) -> tuple[Any, Any]:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+    from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+    artifacts = ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)]),
+        type=ArtifactFilterType(any_=["table"]),
+    )
+    events = EventFilter(
+        event=EventNameFilter(name=[RESTART_EVENT]),
+        related=EventRelatedFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+    )
+    return artifacts, events
+
+
+def read_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport:
+    """The records and restarts of ``flow_run_id``, from the current Prefect API."""
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    return run_coro_as_sync(aread_flow_run_gpu_report(flow_run_id))
+
+
+async def aread_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport:
+    """``read_flow_run_gpu_report`` for async code."""
+    from prefect.client.orchestration import get_client
+
+    flow_run_id = str(UUID(str(flow_run_id)))
+    artifact_filter, event_filter = _filters(flow_run_id)
+    artifacts: list[Any] = []
+    async with get_client() as client:
+        while page := await client.read_artifacts(
+            artifact_filter=artifact_filter, limit=PAGE, offset=len(artifacts)
+        ):
+            artifacts += page
+            if len(page) < PAGE:
+                break
+        events_page = await client.read_events(filter=event_filter, limit=EVENTS_PAGE)
+        events = list(events_page.events)
+        while events_page.next_page is not None:
+            events_page = await client.read_events_page(str(events_page.next_page))
+            events += events_page.events
+    return FlowRunGPUReport(flow_run_id, _records(artifacts), _restarts(events))

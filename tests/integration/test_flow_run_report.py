@@ -1,0 +1,90 @@
+"""A flow run's GPU records and restarts, read back from a real Prefect API after its
+flow process was killed: what was published as tasks finished is all there is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from prefect_gpu_dask import read_flow_run_gpu_report
+from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
+from tests.ui_helpers import LEAK_BYTES, start_guarded_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+HOLDING_FLOW = """
+import sys
+from tests.ui_helpers import run_leaking_flow
+run_leaking_flow(sys.argv[1], clean_first=2, hold_s=600)
+"""
+
+
+def wait_for_holding(proc: subprocess.Popen, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if line.startswith("HOLDING "):
+            return line.split()[1]
+    raise AssertionError("the flow never reached its hold:\n" + "".join(seen[-60:]))
+
+
+def test_records_and_restarts_read_back_after_the_flow_process_is_killed(dask_processes, prefect_api):
+    address = start_guarded_cluster(dask_processes)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_FLOW, address],
+        cwd=ROOT,
+        env={**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        flow_run_id = wait_for_holding(proc)
+        # -- while the flow still runs: every finished task's record, and the restart ---
+        deadline = time.monotonic() + 60
+        while True:
+            live = read_flow_run_gpu_report(flow_run_id)
+            names = {r.task_run_name for r in live.records}
+            if {"clean-0", "clean-1", f"leaky-{LEAK_BYTES}", "clean-2"} <= names and live.restarts:
+                break
+            assert time.monotonic() < deadline, (names, live.restarts)
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+    # -- the flow process is gone: nothing was published at its end ----------------------
+    after = read_flow_run_gpu_report(flow_run_id)
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).state.is_running()  # killed, not ended
+        keys = {
+            a.key
+            for a in client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
+        }
+    assert not {TABLE_KEY, SUMMARY_KEY} & keys
+    assert set(live.records) <= set(after.records) and after.restarts == live.restarts
+
+    # -- and what is there is typed and whole -------------------------------------------
+    [leak] = after.leaks
+    assert leak.delta == LEAK_BYTES and leak.task_name == "leaky" and leak.tags == ("gpu",)
+    assert after.for_task_run(leak.task_run_id) == (leak,)
+    assert all(r.flow_run_id == flow_run_id and r.verdict in ("clean", "leak") for r in after.records)
+    assert len({r.task_run_id for r in after.records}) == len(after.records)
+    assert [r.time for r in after.records] == sorted(r.time for r in after.records)
+    [restart] = after.restarts
+    assert restart.worker == leak.worker and restart.task_run_id == leak.task_run_id
+    assert restart.old_pid == leak.pid and restart.new_pid not in (None, leak.pid)
+    assert restart.serving_s > 0 and restart.reason.startswith("leak")
