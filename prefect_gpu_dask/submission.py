@@ -21,6 +21,7 @@ import cloudpickle
 import distributed
 from prefect.context import EngineContext, SettingsContext, SyncClientContext, serialize_context
 from prefect.exceptions import ObjectNotFound
+from prefect.logging.configuration import ensure_logging_setup
 from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
@@ -189,6 +190,11 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     """
 
     def build() -> tuple[SettingsContext, SyncClientContext]:
+        # Before any engine runs here, and under this lock: Prefect's engine configures
+        # logging on first use without a lock, and two task runs starting at once on a
+        # fresh worker can each run ``dictConfig``; the second flushes the first's API log
+        # handler while the event loop it waits for needs the logging lock it holds.
+        ensure_logging_setup()
         settings = SettingsContext(**cloudpickle.loads(shared.blob))
         reset = _SETTINGS.set(settings)
         try:

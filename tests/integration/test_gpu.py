@@ -8,6 +8,7 @@ import time
 import pytest
 from prefect import flow, task
 from prefect.context import FlowRunContext
+from prefect.variables import Variable
 
 from prefect_gpu_dask import GPUDaskTaskRunner
 
@@ -125,9 +126,10 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
             pid.submit().result()  # work goes on meanwhile (on another GPU, if there is one)
             time.sleep(0.1)
         worker_pids = set(runner._client.run(os.getpid).values())
-        return churn, old, worker_pids, list(runner.restarts), runner.records
+        flow_run_id = str(FlowRunContext.get().flow_run.id)
+        return churn, old, worker_pids, list(runner.restarts), runner.records, flow_run_id
 
-    churn, old, worker_pids, restarts, records = leaky_night()
+    churn, old, worker_pids, restarts, records, flow_run_id = leaky_night()
     print("restarts:", restarts)
     for record in records:
         print(
@@ -157,6 +159,23 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
     assert restart.reason.startswith("leak")
     assert restart.memory_after < restart.memory_before - 400 * MiB  # the 512 MiB is gone
     assert restart.serving_s < 10
+
+    # -- read back from the API; the summary's hint and picture from real readings --
+    from prefect_gpu_dask import read_flow_run_gpu_report, sizing
+    from prefect_gpu_dask.chart import memory_timeline_svg
+
+    deadline = time.monotonic() + 30
+    while not (report := read_flow_run_gpu_report(flow_run_id)).restarts and time.monotonic() < deadline:
+        time.sleep(0.5)  # events reach the API in batches
+    assert set(report.records) == set(records) and report.restarts == (restart,)
+    history = sizing.from_value(Variable.get(sizing.variable_name("leaky-night")))
+    hints = {h.task_name: h for h in sizing.hints(records, history)}
+    churn_hint = hints["churn_pool"]
+    print("hints:", [h.describe() for h in hints.values()])
+    assert churn_hint.worst_peak >= 0.9 * 4 * GiB and churn_hint.device_total == records[0].device_total
+    assert churn_hint.fitting_share * churn_hint.device_total >= 1.2 * churn_hint.worst_peak
+    svg = memory_timeline_svg(records)
+    assert svg is not None and svg.count("<title>") == len(records)
 
 
 @task(tags=["gpu"])
