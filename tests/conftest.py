@@ -30,24 +30,7 @@ def has_gpu() -> bool:
         return False
 
 
-# Modules that take longest on a 2-core machine go first: with two test processes each
-# taking whole modules, starting the long ones early keeps both busy to the end.
-LONG_FIRST = (
-    "test_load.py",
-    "test_ui_browser.py",
-    "test_guard_restarts.py",
-    "test_reliability.py",
-    "test_restart_races.py",
-)
-
-
-def _long_first(item) -> int:
-    name = item.path.name
-    return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_long_first)  # stable: tests keep their order within a module
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy (none here)")
