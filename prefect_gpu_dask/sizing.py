@@ -124,21 +124,22 @@ def variable_name(flow_name: str) -> str:
 
 
 def to_value(history: Mapping[str, PeakHistory], newest: Iterable[str] = ()) -> dict:
-    """JSON for the Variable, dropping the oldest runs, then tasks not in ``newest``, to fit."""
+    """JSON for the Variable, within Prefect's limit: tasks not in ``newest`` go first,
+    then the oldest runs of the rest, then (only if still too big) tasks of this run."""
     import json
 
     keep, newest = HISTORY_RUNS, set(newest)
-    names = sorted(history, key=lambda n: (n in newest, n), reverse=True)
+    names = sorted(history, key=lambda n: (n in newest, n), reverse=True)  # stale ones last
     while True:
         value = {
             n: {"total": history[n].device_total, "peaks": list(history[n].peaks[-keep:])} for n in names
         }
-        if len(json.dumps(value)) <= MAX_VALUE_CHARS or (keep == 1 and not names):
+        if len(json.dumps(value)) <= MAX_VALUE_CHARS or not names:
             return value
-        if keep > 1:
-            keep -= 1
-        else:
+        if names[-1] not in newest or keep == 1:
             names.pop()
+        else:
+            keep -= 1
 
 
 def from_value(value: object) -> dict[str, PeakHistory]:

@@ -84,7 +84,10 @@ def test_the_variable_value_round_trips_and_stays_under_prefects_limit():
     history = {f"task-{i:03d}": sizing.PeakHistory(H200, tuple(range(GiB, GiB + 10))) for i in range(200)}
     value = sizing.to_value(history, newest=["task-000"])
     assert len(json.dumps(value)) <= sizing.MAX_VALUE_CHARS
-    assert "task-000" in value  # this run's tasks are the last to go
+    assert len(value["task-000"]["peaks"]) == sizing.HISTORY_RUNS  # stale tasks went first
+    squeezed = sizing.to_value(history, newest=list(history))  # all from this run: runs go first
+    assert len(json.dumps(squeezed)) <= sizing.MAX_VALUE_CHARS
+    assert {len(v["peaks"]) for v in squeezed.values()} == {1} and len(squeezed) > 50
     back = sizing.from_value(value)
     assert back["task-000"].device_total == H200 and back["task-000"].peaks
     assert sizing.from_value("something a person typed") == {}
