@@ -62,15 +62,23 @@ def _records(artifacts: Iterable[Any]) -> tuple[TaskRecord, ...]:
         if artifact.type != "table" or not ours:
             continue
         for row in _rows(artifact.data):
-            record = TaskRecord.from_row(row)
+            try:
+                record = TaskRecord.from_row(row)
+            except (TypeError, ValueError, KeyError):
+                continue  # a table of an older release, or someone else's under our key
             # The flow-end table repeats what the per-task tables said.
             seen[(record.task_run_id, record.pid, record.time)] = record
     return tuple(sorted(seen.values(), key=lambda r: r.time))
 
 
 def _restarts(events: Iterable[Any]) -> tuple[RestartRecord, ...]:
-    ours = sorted((e for e in events if e.event == RESTART_EVENT), key=lambda e: e.occurred)
-    return tuple(RestartRecord.from_payload(event.payload) for event in ours)
+    restarts = []
+    for event in sorted((e for e in events if e.event == RESTART_EVENT), key=lambda e: e.occurred):
+        try:
+            restarts.append(RestartRecord.from_payload(event.payload))
+        except (TypeError, ValueError):
+            continue
+    return tuple(restarts)
 
 
 def _filters(flow_run_id: str) -> tuple[Any, Any]:
@@ -98,13 +106,16 @@ def read_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport:
 async def aread_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport:
     """``read_flow_run_gpu_report`` for async code."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import ArtifactSort
 
     flow_run_id = str(UUID(str(flow_run_id)))
     artifact_filter, event_filter = _filters(flow_run_id)
     artifacts: list[Any] = []
     async with get_client() as client:
+        # Newest first: one published while this reads pushes the rest a place down, so a
+        # row is read twice (and de-duplicated), never skipped.
         while page := await client.read_artifacts(
-            artifact_filter=artifact_filter, limit=PAGE, offset=len(artifacts)
+            artifact_filter=artifact_filter, sort=ArtifactSort.CREATED_DESC, limit=PAGE, offset=len(artifacts)
         ):
             artifacts += page
             if len(page) < PAGE:

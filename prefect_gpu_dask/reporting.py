@@ -190,7 +190,7 @@ class LivePublisher:
                     description=f"{TASK_TABLE_DESCRIPTION}: {record.verdict} (prefect-gpu-dask)",
                     task_run_id=record.task_run_id,
                     flow_run_id=record.flow_run_id,
-                ).create()
+                ).create(_sync=True)  # this thread runs in an async flow's context too
             except Exception as exc:  # the flow-end table still has it
                 self.logger.debug("Could not publish the record of %s: %s", record.task_run_name, exc)
 

@@ -11,6 +11,7 @@ ledger.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,18 +124,21 @@ def variable_name(flow_name: str) -> str:
     return f"{VARIABLE_PREFIX}{slug}_{digest}"
 
 
+def value_size(value: object) -> int:
+    """As Prefect measures a Variable's value: its compact JSON, in bytes."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 def to_value(history: Mapping[str, PeakHistory], newest: Iterable[str] = ()) -> dict:
     """JSON for the Variable, within Prefect's limit: tasks not in ``newest`` go first,
     then the oldest runs of the rest, then (only if still too big) tasks of this run."""
-    import json
-
     keep, newest = HISTORY_RUNS, set(newest)
     names = sorted(history, key=lambda n: (n in newest, n), reverse=True)  # stale ones last
     while True:
         value = {
             n: {"total": history[n].device_total, "peaks": list(history[n].peaks[-keep:])} for n in names
         }
-        if len(json.dumps(value)) <= MAX_VALUE_CHARS or not names:
+        if value_size(value) <= MAX_VALUE_CHARS or not names:
             return value
         if names[-1] not in newest or keep == 1:
             names.pop()
@@ -149,9 +153,11 @@ def from_value(value: object) -> dict[str, PeakHistory]:
     out = {}
     for name, entry in value.items():
         try:
-            out[str(name)] = PeakHistory(int(entry["total"]), tuple(int(p) for p in entry["peaks"]))
+            history = PeakHistory(int(entry["total"]), tuple(int(p) for p in entry["peaks"]))
         except (KeyError, TypeError, ValueError):
             continue
+        if history.peaks and history.device_total > 0:
+            out[str(name)] = history
     return out
 
 

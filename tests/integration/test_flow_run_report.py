@@ -3,19 +3,24 @@ flow process was killed: what was published as tasks finished is all there is.""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterTaskRunId
 
-from prefect_gpu_dask import read_flow_run_gpu_report
+from prefect_gpu_dask import GPUDaskTaskRunner, read_flow_run_gpu_report
 from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
-from tests.ui_helpers import LEAK_BYTES, start_guarded_cluster
+from tests.scripted_probe import FAKE_PROBE
+from tests.ui_helpers import LEAK_BYTES, clean, start_guarded_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLDING_FLOW = """
@@ -26,12 +31,18 @@ run_leaking_flow(sys.argv[1], clean_first=2, hold_s=600)
 
 
 def wait_for_holding(proc: subprocess.Popen, timeout: float = 180) -> str:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
+    """The flow run id the child prints once it holds; its output is drained meanwhile
+    (and afterwards, so a chatty flow never blocks on a full pipe)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    deadline, seen = time.monotonic() + timeout, []
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if proc.poll() is not None and lines.empty():
+                break
+            continue
         seen.append(line)
         if line.startswith("HOLDING "):
             return line.split()[1]
@@ -88,3 +99,28 @@ def test_records_and_restarts_read_back_after_the_flow_process_is_killed(dask_pr
     assert restart.worker == leak.worker and restart.task_run_id == leak.task_run_id
     assert restart.old_pid == leak.pid and restart.new_pid not in (None, leak.pid)
     assert restart.serving_s > 0 and restart.reason.startswith("leak")
+
+
+def test_an_async_flow_publishes_each_record_on_its_task_run(dask_processes):
+    """The publisher's thread runs in the flow's context: for an async flow, Prefect's
+    sync-or-async dispatch must still create the artifact, not hand back a coroutine."""
+    address = start_guarded_cluster(dask_processes)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
+    async def async_night() -> str:
+        future = clean.submit(7)
+        future.wait()
+        return str(future.task_run_id)
+
+    task_run_id = asyncio.run(async_night())
+    deadline = time.monotonic() + 30
+    with get_client(sync_client=True) as client:
+        while not (
+            found := client.read_artifacts(
+                artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id]))
+            )
+        ):
+            assert time.monotonic() < deadline, "no artifact on the async flow's task run"
+            time.sleep(0.25)
+    [artifact] = found
+    assert artifact.type == "table" and artifact.description.startswith("GPU memory of this task run")

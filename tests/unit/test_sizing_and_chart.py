@@ -83,14 +83,15 @@ def test_the_hint_uses_the_worst_of_the_last_runs_and_forgets_older_ones():
 def test_the_variable_value_round_trips_and_stays_under_prefects_limit():
     history = {f"task-{i:03d}": sizing.PeakHistory(H200, tuple(range(GiB, GiB + 10))) for i in range(200)}
     value = sizing.to_value(history, newest=["task-000"])
-    assert len(json.dumps(value)) <= sizing.MAX_VALUE_CHARS
+    assert sizing.value_size(value) <= sizing.MAX_VALUE_CHARS
     assert len(value["task-000"]["peaks"]) == sizing.HISTORY_RUNS  # stale tasks went first
     squeezed = sizing.to_value(history, newest=list(history))  # all from this run: runs go first
-    assert len(json.dumps(squeezed)) <= sizing.MAX_VALUE_CHARS
+    assert sizing.value_size(squeezed) <= sizing.MAX_VALUE_CHARS
     assert {len(v["peaks"]) for v in squeezed.values()} == {1} and len(squeezed) > 50
     back = sizing.from_value(value)
     assert back["task-000"].device_total == H200 and back["task-000"].peaks
     assert sizing.from_value("something a person typed") == {}
+    assert sizing.from_value({"x": {"total": H200, "peaks": []}, "y": {"total": 0, "peaks": [1]}}) == {}
     name = sizing.variable_name("Nightly ETL / v2 (GPU)")
     assert name.startswith(sizing.VARIABLE_PREFIX) and name == name.lower()
     assert set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-")
