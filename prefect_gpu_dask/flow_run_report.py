@@ -59,7 +59,7 @@ def _records(artifacts: Iterable[Any]) -> tuple[TaskRecord, ...]:
     seen: dict[tuple[Any, ...], TaskRecord] = {}
     for artifact in artifacts:
         ours = artifact.key == TABLE_KEY or (artifact.description or "").startswith(TASK_TABLE_DESCRIPTION)
-        if artifact.type != "table" or not ours:
+        if not ours:  # the API filter already asked for tables
             continue
         for row in _rows(artifact.data):
             try:

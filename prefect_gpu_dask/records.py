@@ -32,6 +32,12 @@ BYTE_FIELDS = (
 )
 
 
+def _known_fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` less the keys ``cls`` has no field for (newer or foreign payloads)."""
+    known = {f.name for f in fields(cls)}
+    return {k: v for k, v in values.items() if k in known}
+
+
 def format_bytes(n: int) -> str:
     """``dask.utils.format_bytes`` that keeps a sign."""
     return ("-" if n < 0 else "") + _format_bytes(abs(n))
@@ -82,8 +88,7 @@ class TaskRecord:
 
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> TaskRecord:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in event.items() if k in known}
+        values = _known_fields(cls, event)
         values["tags"] = tuple(values.get("tags") or ())
         values["throttle_reasons"] = tuple(values.get("throttle_reasons") or ())
         return cls(**values)
@@ -203,5 +208,4 @@ class RestartRecord:
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> RestartRecord:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in payload.items() if k in known})
+        return cls(**_known_fields(cls, payload))

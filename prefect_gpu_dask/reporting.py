@@ -103,13 +103,11 @@ def _gpu_resource(record: Described) -> dict[str, str]:
 def emit_leak_event(record: TaskRecord) -> None:
     from prefect.events import emit_event
 
-    payload = asdict(record)
     emit_event(
         event=LEAK_EVENT,
         resource=_gpu_resource(record),
         related=_related(record),
-        payload={k: payload[k] for k in TABLE_COLUMNS}
-        | {"tags": list(record.tags), "throttle_reasons": list(record.throttle_reasons)},
+        payload=record.to_event(),
     )
 
 
@@ -284,7 +282,7 @@ def publish_artifacts(
     history = sizing.worst_per_task(records)
     if flow_name and history:
         try:
-            history = sizing.remember(flow_name, records)
+            history = sizing.remember(flow_name, history)
         except Exception as exc:  # the hint then speaks of this run alone
             (logger or logging.getLogger(__name__)).warning("Could not keep the GPU sizing history: %s", exc)
 

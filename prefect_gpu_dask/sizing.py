@@ -161,12 +161,12 @@ def from_value(value: object) -> dict[str, PeakHistory]:
     return out
 
 
-def remember(flow_name: str, records: Sequence[TaskRecord]) -> dict[str, PeakHistory]:
-    """Add this run's peaks to the flow's Variable; returns the history hints use."""
+def remember(flow_name: str, this_run: Mapping[str, PeakHistory]) -> dict[str, PeakHistory]:
+    """Add this run's peaks (``worst_per_task``) to the flow's Variable; returns the
+    history hints use."""
     from prefect.variables import Variable
 
     name = variable_name(flow_name)
-    this_run = worst_per_task(records)
     # _sync: the runner closes inside an async flow's event loop too, and waits here.
     history = merged(from_value(Variable.get(name, default=None, _sync=True)), this_run)
     Variable.set(name, to_value(history, newest=this_run), overwrite=True, _sync=True)
