@@ -19,7 +19,13 @@ from uuid import uuid4
 
 import cloudpickle
 import distributed
-from prefect.context import EngineContext, SettingsContext, SyncClientContext, serialize_context
+from prefect.context import (
+    EngineContext,
+    SettingsContext,
+    SyncClientContext,
+    hydrated_context,
+    serialize_context,
+)
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.configuration import ensure_logging_setup
 from prefect.states import Crashed
@@ -181,6 +187,22 @@ def _unshare(shared: Shared | Any) -> Any:
     return _cached(shared.token, lambda: cloudpickle.loads(shared.blob))
 
 
+def prepare_process() -> None:
+    """Prefect's lazy per-process set-up, done before any engine runs here.
+
+    Called under the worker lock. Task runs starting at once on a fresh worker each do
+    this set-up without a lock, and both halves race:
+
+    - two ``dictConfig`` calls: the second flushes the first's API log handler while the
+      event loop that handler waits for needs the logging lock the second holds;
+    - two ``model_rebuild`` calls of the run-context models: pydantic's rebuild is not
+      thread-safe, and a run context built in between is validated as its parent class.
+    """
+    ensure_logging_setup()
+    with hydrated_context(None):  # completes the run-context models, as the engine would
+        pass
+
+
 def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientContext]:
     """Settings and an open API client for this flow run, made once per worker process.
 
@@ -190,11 +212,7 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     """
 
     def build() -> tuple[SettingsContext, SyncClientContext]:
-        # Before any engine runs here, and under this lock: Prefect's engine configures
-        # logging on first use without a lock, and two task runs starting at once on a
-        # fresh worker can each run ``dictConfig``; the second flushes the first's API log
-        # handler while the event loop it waits for needs the logging lock it holds.
-        ensure_logging_setup()
+        prepare_process()
         settings = SettingsContext(**cloudpickle.loads(shared.blob))
         reset = _SETTINGS.set(settings)
         try:
