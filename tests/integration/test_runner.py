@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
+import uuid
 
 import distributed
 import pytest
@@ -11,6 +13,7 @@ from prefect import flow, tags, task
 from prefect.states import State
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, routing
+from prefect_gpu_dask import cluster as clusters
 from tests.conftest import task_run_logs
 
 
@@ -139,6 +142,33 @@ def test_default_runner_without_gpus_runs_gpu_tasks_on_cpu():
     assert any(
         "running on CPU instead" in line for line in task_run_logs(task_run_id, "running on CPU instead")
     )
+
+
+@task
+def worker_parent_and_mark() -> tuple[int, str | None]:
+    return os.getppid(), os.environ.get("PREFECT_GPU_DASK_TEST_MARK")
+
+
+def _local_worker_parent_and_mark() -> tuple[int, str | None]:
+    @flow(task_runner=GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 1}))
+    def which():
+        return worker_parent_and_mark.submit().result()
+
+    return which()
+
+
+def test_local_workers_fork_from_a_preloaded_server():
+    parent, _ = _local_worker_parent_and_mark()
+    # A spawned worker is the child of this process, where its Nanny runs.
+    assert parent != os.getpid()
+
+
+def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch):
+    clusters.worker_start_method()  # the fork server is running, with today's environment
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("PREFECT_GPU_DASK_TEST_MARK", mark)
+    parent, seen = _local_worker_parent_and_mark()
+    assert (parent, seen) == (os.getpid(), mark)
 
 
 def test_default_runner_error_mode_fails_within_bound():
