@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,8 @@ from distributed.proctitle import enable_proctitle_on_children
 
 from prefect_gpu_dask import nvml
 from prefect_gpu_dask.routing import GPU_RESOURCE
+
+logger = logging.getLogger("prefect_gpu_dask.cluster")
 
 LOOPBACK = "127.0.0.1"
 # Schemes distributed can speak; anything else is a typo we refuse up front.
@@ -140,8 +143,15 @@ def worker_start_method() -> str:
                 pre_spawn["PYTHONHASHSEED"] = "6640"
             os.environ.update(pre_spawn)
             enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
-            multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
-            multiprocessing.forkserver.ensure_running()
+            # Only what imported cleanly here: one module failing in the server, with
+            # anything but ImportError, would fail every worker start.
+            preload = [name for name in WORKER_PRELOAD if name in sys.modules]
+            try:
+                multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+                multiprocessing.forkserver.ensure_running()
+            except Exception as exc:
+                logger.warning("Could not start a fork server (%r): spawning workers", exc)
+                return configured
             _fork_server_environ = _environ()
         return "forkserver" if _environ() == _fork_server_environ else "spawn"
 
