@@ -22,7 +22,8 @@ import multiprocessing.forkserver
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -118,23 +119,29 @@ def local_cluster_kwargs(
 
 
 _fork_server_lock = threading.Lock()
-_fork_server_environ: dict[str, str] | None = None
+_fork_server_surroundings: tuple[dict[str, str], str] | None = None
+_forking_clusters = 0  # local clusters alive whose workers fork from the server
+_users_start_method = "spawn"  # the setting before the first of them
 
 
-def worker_start_method() -> str:
+def worker_start_method(cuda: bool = False) -> str:
     """How a local cluster started now should start its worker processes.
 
     ``forkserver`` when the user left Dask's default (``spawn``) and the server this
-    package started would give workers the environment ``spawn`` gives them: a forked
-    worker inherits the server's environment, not this process's current one, so a
-    variable changed since the server started means ``spawn`` for this cluster.
+    package started would give workers what ``spawn`` gives them: a forked worker
+    inherits the server's environment, and its imports read settings files in the
+    server's working directory, so a variable or directory changed since the server
+    started means ``spawn`` for this cluster.
+    ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own.
     """
-    configured = dask.config.get(START_METHOD_KEY)
-    if configured != "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
-        return configured
-    global _fork_server_environ
+    global _fork_server_surroundings
     with _fork_server_lock:
-        if _fork_server_environ is None:
+        configured = _users_start_method if _forking_clusters else dask.config.get(START_METHOD_KEY)
+        if configured != "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+            return configured
+        if cuda:
+            os.environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster's __init__ does
+        if _fork_server_surroundings is None:
             # What a Nanny puts into this process's environment before each spawn goes
             # in first, as the Nanny would: its pre-spawn variables and hash seed.
             configured_env = dask.config.get("distributed.nanny.pre-spawn-environ") or {}
@@ -152,13 +159,43 @@ def worker_start_method() -> str:
             except Exception as exc:
                 logger.warning("Could not start a fork server (%r): spawning workers", exc)
                 return configured
-            _fork_server_environ = _environ()
-        return "forkserver" if _environ() == _fork_server_environ else "spawn"
+            _fork_server_surroundings = _surroundings()
+        return "forkserver" if _surroundings() == _fork_server_surroundings else "spawn"
 
 
-def _environ() -> dict[str, str]:
-    # pytest rewrites this one for every test; nothing a worker does reads it.
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+@contextmanager
+def worker_processes(cuda: bool = False) -> Iterator[str]:
+    """For the life of one local cluster, restarts included: its worker start method.
+
+    Dask reads the method from one process-wide setting, so it is counted: set by the
+    first forking cluster, restored to the user's when the last one closes. While one
+    is alive, a cluster that should spawn (a changed environment) cannot: its workers
+    fork too.
+    """
+    global _forking_clusters, _users_start_method
+    method = worker_start_method(cuda)
+    if method != "forkserver":
+        yield method
+        return
+    with _fork_server_lock:
+        if _forking_clusters == 0:
+            _users_start_method = dask.config.get(START_METHOD_KEY)
+            dask.config.set({START_METHOD_KEY: "forkserver"})
+        _forking_clusters += 1
+    try:
+        yield method
+    finally:
+        with _fork_server_lock:
+            _forking_clusters -= 1
+            if _forking_clusters == 0:
+                dask.config.set({START_METHOD_KEY: _users_start_method})
+
+
+def _surroundings() -> tuple[dict[str, str], str]:
+    """What the server's imports saw, and a spawned worker would see: the environment
+    (pytest rewrites one variable for every test; nothing a worker does reads it) and
+    the working directory (Prefect reads its settings files there)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, os.getcwd()
 
 
 def _accepts(cluster_class: str | Callable[..., Any], name: str) -> bool:

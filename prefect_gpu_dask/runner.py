@@ -335,9 +335,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
         local = clusters.is_local_cpu_cluster(cluster_class) or clusters.is_local_cuda_cluster(cluster_class)
         if local and kwargs.get("processes", True):
-            # For the cluster's life, restarts included.
-            method = clusters.worker_start_method()
-            self._exit_stack.enter_context(dask.config.set({clusters.START_METHOD_KEY: method}))
+            cuda = clusters.is_local_cuda_cluster(cluster_class)
+            self._exit_stack.enter_context(clusters.worker_processes(cuda))
         with dask.config.set(config):
             self._cluster = self._exit_stack.enter_context(cluster_class(**kwargs))
         self._made_cluster = True

@@ -17,3 +17,25 @@ def test_loopback_defaults_only_where_the_class_takes_them():
     assert local_cluster_kwargs(NarrowCluster, {}) == {}
     # What the user passed is passed on, accepted or not: the class names the error.
     assert local_cluster_kwargs(NarrowCluster, {"n_workers": 2}) == {"n_workers": 2}
+
+
+def test_clusters_forking_at_once_hand_the_start_method_back_to_the_user(monkeypatch):
+    import dask
+
+    from prefect_gpu_dask import cluster
+    from prefect_gpu_dask.cluster import START_METHOD_KEY, worker_processes, worker_start_method
+
+    assert dask.config.get(START_METHOD_KEY) == "spawn"
+    worker_start_method()  # the server runs; earlier tests here may have changed the environment since
+    monkeypatch.setattr(cluster, "_fork_server_surroundings", cluster._surroundings())
+    first, second = worker_processes(), worker_processes()
+    assert first.__enter__() == second.__enter__() == "forkserver"
+    assert dask.config.get(START_METHOD_KEY) == "forkserver"
+    # Still the user's "spawn" underneath: a changed environment is still noticed.
+    monkeypatch.setenv("PREFECT_GPU_DASK_TEST_MARK", "changed")
+    assert worker_start_method() == "spawn"
+    monkeypatch.delenv("PREFECT_GPU_DASK_TEST_MARK")
+    first.__exit__(None, None, None)  # closed before the later one, as overlapping flows may
+    assert dask.config.get(START_METHOD_KEY) == "forkserver"
+    second.__exit__(None, None, None)
+    assert dask.config.get(START_METHOD_KEY) == "spawn"

@@ -30,7 +30,6 @@ def test_a_fresh_worker_process_is_prepared_before_its_first_task_run():
     out = subprocess.run(
         [sys.executable, "-c", FRESH_WORKER], capture_output=True, text=True, timeout=120, check=True
     ).stdout.splitlines()
-    # Importing the package leaves the run-context models incomplete; the engine would
-    # complete them in every task run's thread at once.
-    assert out[0].startswith("(False, False")
-    assert out[1] == "(True, True, True)"
+    # With Prefect 3.8/3.9 importing the package leaves the run-context models
+    # incomplete (out[0]); the engine would complete them in every task run's thread at once.
+    assert out[1] == "(True, True, True)", out
