@@ -283,12 +283,20 @@ def bench_guard(samples: int) -> dict[str, Any]:
         watch.start(-1 - ticket)
         watch.stop(-1 - ticket)
         activity.append(time.perf_counter() - start)
+    sampler = guard._sampler
+    parts = {  # each reading and step of begin()+end() on its own, median µs
+        "process_read": guard._read_process,
+        "allocators_read": guard._read_allocators,
+        "device_and_process_read": guard.probe.sample,
+        "peak_sampler_start_stop": lambda: sampler.stop(sampler.start(-1, 0) or -1, 0),
+    }
     return {
         "guard_us": statistics.median(costs) * 1e6,
         "nvml_sample_us": statistics.median(reads) * 1e6,  # one probe read; the guard makes two
         "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
         "health_check_us": statistics.median(checks) * 1e6,  # before each gpu task, and on a timer
         "activity_us": statistics.median(activity) * 1e6 if activity else None,
+        "parts_us": {name: statistics.median(runs_of(read, samples)) * 1e6 for name, read in parts.items()},
         "health_limits": list(health.limits),
         "samples": samples,
     }

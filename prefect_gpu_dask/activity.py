@@ -4,10 +4,12 @@ temperature and clock throttling, from NVML, on the worker that ran it.
 Two of these readings are slow (the energy counter and the utilisation samples take
 milliseconds a call, ``benchmarks/probes/nvml_activity_cost.py``), so a task's own
 thread never makes them. One daemon thread per worker ("gpu-activity") reads them
-while guarded tasks run: at once when a task starts, then every ``TICK_S``. The task
-thread reads only power, temperature and throttle reasons (microseconds each) as it
-starts and ends, and its energy is the counter's difference between the ticks inside
-the task, stretched to the task's own start and end by the power read there.
+while guarded tasks run: at once when a task starts, then every ``TICK_S``. A task's
+energy is the counter's difference between the ticks inside it, stretched to its own
+start and end by the power there. Its start and end readings (power, temperature,
+throttle reasons) are the latest tick's while that is fresh, so in a stream of tasks
+the task thread makes no driver call at all; only after a quiet spell does it read
+them itself (microseconds each).
 
 ``ActivityWatch`` is pure bookkeeping over an ``ActivityReader``: NVML on a GPU
 (``NvmlActivity``), scripted answers in the tests.
@@ -55,6 +57,12 @@ class Tick(NamedTuple):
     reasons: int
     utilization: tuple[tuple[float, int], ...]  # (time, SM %) samples since the last tick
     scope: str | None  # PROCESS: this process's samples; DEVICE: the whole GPU's
+    power_mw: int | None = None
+    device_utilization: int | None = None  # the whole GPU's latest SM %
+
+    def instant(self, at: float) -> Instant:
+        """These readings as a task's start or end at ``at``."""
+        return Instant(at, self.power_mw, self.temperature_c, self.reasons)
 
 
 class ActivityReader(Protocol):
@@ -137,10 +145,20 @@ class ActivityWatch:
         self._started = threading.Event()  # a task started: tick now
         self._thread: threading.Thread | None = None
         self._last_tick = float("-inf")  # monotonic
+        self._latest: Tick | None = None
+
+    def _fresh(self) -> Tick | None:
+        """The latest tick, if it is recent enough to stand for a reading now."""
+        latest = self._latest
+        return latest if latest is not None and time.time() - latest.time <= self._tick_s else None
+
+    def _instant(self) -> Instant:
+        fresh = self._fresh()
+        return fresh.instant(time.time()) if fresh is not None else self._reader.instant()
 
     def start(self, ticket: int) -> None:
         try:
-            start = self._reader.instant()
+            start = self._instant()
         except Exception:  # activity is a bonus: never fail a task for it
             return
         with self._lock:
@@ -163,8 +181,12 @@ class ActivityWatch:
         if opened is None:
             return None
         try:
-            end = self._reader.instant()
-            device = self._reader.device_utilization() if not opened.utilization else None
+            fresh = self._fresh()
+            end = fresh.instant(time.time()) if fresh is not None else self._reader.instant()
+            device = None
+            if not opened.utilization:
+                device = fresh.device_utilization if fresh is not None else None
+                device = device if device is not None else self._reader.device_utilization()
         except Exception:
             return None
         return judge(opened, end, device)
@@ -188,6 +210,7 @@ class ActivityWatch:
                 logger.debug("GPU activity reading failed: %r", exc)
                 time.sleep(self._tick_s)
                 continue
+            self._latest = tick
             with self._lock:
                 for opened in self._open.values():
                     self._see(opened, tick)
@@ -260,6 +283,15 @@ class NvmlActivity:
 
     def tick(self) -> Tick:
         utilization, scope = self._utilization()
-        now = self.instant()  # temperature and reasons as a task reads them (power unused)
+        now = self.instant()
         energy = self._call("nvmlDeviceGetTotalEnergyConsumption")
-        return Tick(now.time, energy, now.temperature_c, now.reasons, utilization, scope)
+        return Tick(
+            now.time,
+            energy,
+            now.temperature_c,
+            now.reasons,
+            utilization,
+            scope,
+            now.power_mw,
+            self.device_utilization(),
+        )

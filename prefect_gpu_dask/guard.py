@@ -108,12 +108,17 @@ class PeakSampler:
     def start(self, ticket: int, first: int) -> None:
         with self._lock:
             self._peaks[ticket] = first
+            backed_off = self._interval > self._first_interval
             self._interval = self._first_interval  # a new task is watched closely again
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpu-peak", daemon=True)
             self._thread.start()
-        self._restart.set()
-        self._wake.set()
+        # Wake the thread only when it must change what it waits for: each wake-up
+        # takes the GIL from the task threads.
+        if backed_off:
+            self._restart.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def stop(self, ticket: int, last: int) -> int:
         with self._lock:

@@ -74,3 +74,34 @@ def test_a_reader_that_fails_never_fails_the_task():
     watch = ActivityWatch(Broken(), tick_s=0.05)
     watch.start(1)
     assert watch.stop(1) is None
+
+
+def test_while_a_tick_is_fresh_the_task_thread_reads_nothing_itself():
+    class Counting(Reader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.instants = 0
+
+        def instant(self) -> Instant:
+            self.instants += 1
+            return super().instant()
+
+        def tick(self) -> Tick:
+            tick = super().tick()
+            return tick._replace(power_mw=200_000, device_utilization=33)
+
+    reader = Counting()
+    watch = ActivityWatch(reader, tick_s=1.0)
+    watch.start(1)  # nothing read yet: the task thread reads its start itself
+    deadline = time.monotonic() + 5
+    while reader.ticks == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader.instants == 1 and reader.ticks >= 1
+    watch.start(2)
+    time.sleep(0.1)
+    activity = watch.stop(2)
+    assert reader.instants == 1  # start, end and utilisation all from the fresh tick
+    assert activity.energy_j == pytest.approx(0.1 * 200, rel=0.3)
+    assert activity.temperature_peak_c == 70 and activity.throttle_reasons == ("hw_slowdown",)
+    assert (activity.sm_util_mean, activity.util_scope) == (33, DEVICE)  # no tick inside it
+    watch.stop(1)
