@@ -1,19 +1,14 @@
-"""Real servers for tests and benchmarks: PostgreSQL on 127.0.0.1, and a
+"""Real servers for tests and benchmarks: Debian's PostgreSQL on 127.0.0.1, and a
 ``prefect server start`` on loopback backed by it (or by SQLite).
 
-PostgreSQL is Debian's ``postgresql`` package where it is installed; elsewhere (the GPU
-machine, where no system package can be installed) the same server's binaries from the
-``pgserver`` wheel. Both are processes of their own, stopped on exit. PostgreSQL
-refuses to run as root, so as root it runs as the ``postgres`` system user the Debian
-package creates, else as ``nobody``.
+Both are processes of their own, stopped on exit. PostgreSQL refuses to run as root,
+so as root it runs as the ``postgres`` system user the Debian package creates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import pwd
 import shutil
 import socket
 import subprocess
@@ -24,27 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def _pg_bin_dirs() -> list[Path]:
-    dirs = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
-    wheel = importlib.util.find_spec("pgserver")  # found, not imported
-    if wheel is not None and wheel.submodule_search_locations:
-        dirs += [Path(location) / "pginstall" / "bin" for location in wheel.submodule_search_locations]
-    return dirs
-
-
-PG_BIN_DIRS = _pg_bin_dirs()
-
-
-def _pg_user() -> str | None:
-    """The user PostgreSQL runs as when this process is root (None: not root)."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        pwd.getpwnam("postgres")
-    except KeyError:
-        return "nobody"
-    return "postgres"
+PG_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
 
 def free_port() -> int:
@@ -56,10 +31,14 @@ def free_port() -> int:
 def postgres_missing() -> str | None:
     """Why a PostgreSQL-backed Prefect server cannot run here, or None if it can."""
     if not any((d / "initdb").exists() for d in PG_BIN_DIRS):
-        return (
-            "PostgreSQL is not installed (Debian's postgresql package: /usr/lib/postgresql/*/bin, "
-            "or the pgserver wheel)"
-        )
+        return "PostgreSQL is not installed (Debian's postgresql package: /usr/lib/postgresql/*/bin)"
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root and there is no 'postgres' user to run PostgreSQL as"
     try:
         import asyncpg  # noqa: F401
     except ImportError:
@@ -68,8 +47,7 @@ def postgres_missing() -> str | None:
 
 
 def _as_postgres(args: list[str]) -> list[str]:
-    user = _pg_user()
-    return ["runuser", "-u", user, "--", *args] if user else args
+    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
 
 
 @contextlib.contextmanager
@@ -78,8 +56,8 @@ def postgres_server() -> Iterator[str]:
     bin_dir = next(d for d in PG_BIN_DIRS if (d / "initdb").exists())
     root = Path(tempfile.mkdtemp(prefix="pg-"))
     data = root / "data"
-    if (user := _pg_user()) is not None:
-        shutil.chown(root, user, pwd.getpwnam(user).pw_gid)
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
     port = free_port()
     run = dict(check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     subprocess.run(
