@@ -82,7 +82,11 @@ class DaskProcesses:
                 raise TimeoutError(f"no scheduler address in {scheduler_file} after 60 s")
             time.sleep(0.1)
 
-    def start_worker(self, name: str, *extra: str) -> None:
+    def start_worker(self, name: str, *extra: str, fork: bool = True) -> None:
+        """``fork``: the nanny forks its worker processes from a preloaded server
+        (``--preload-nanny prefect_gpu_dask.nanny``), else spawns them, as a plain
+        ``dask worker`` does."""
+        preload = ["--preload-nanny", "prefect_gpu_dask.nanny"] if fork else []
         self._spawn(
             "worker",
             self.address,
@@ -91,6 +95,7 @@ class DaskProcesses:
             "--name",
             name,
             "--no-dashboard",
+            *preload,
             *extra,
             log=f"worker-{name}.log",
         )
@@ -112,13 +117,20 @@ class DaskProcesses:
         self.procs.clear()
 
 
+def worker_process_state() -> tuple[int, int, bool]:
+    """For ``Client.run``: a worker process's pid, its parent's, and whether it has
+    imported Prefect's task engine (this module imports nothing of Prefect's)."""
+    return os.getpid(), os.getppid(), "prefect.task_engine" in sys.modules
+
+
 @pytest.fixture(scope="session")
 def remote_cluster(tmp_path_factory) -> Iterator[DaskProcesses]:
-    """A scheduler, one worker labelled GPU=1 and one plain CPU worker."""
+    """A scheduler, one worker labelled GPU=1 and one plain CPU worker, both spawned
+    by their nannies as a plain ``dask worker`` does."""
     procs = DaskProcesses(tmp_path_factory.mktemp("dask"))
     procs.start_scheduler()
-    procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1")
-    procs.start_worker("cpu-worker", "--nthreads", "4")
+    procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1", fork=False)
+    procs.start_worker("cpu-worker", "--nthreads", "4", fork=False)
     procs.wait_for_workers(2)
     yield procs
     procs.close()

@@ -23,6 +23,17 @@ from tests.integration.test_reliability import max_concurrency
 # -- 4. load ------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def own_prefect_api():
+    """A Prefect API server of this test's own: it spends a minute after a load test
+    recording its task runs' events, which must not slow the next flow run or the
+    tests that share the session's server."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
 @pytest.fixture(scope="module")
 def load_cluster(tmp_path_factory):
     """One ``GPU=1`` worker with 8 threads and one 4-thread CPU worker."""

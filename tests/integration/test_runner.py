@@ -9,12 +9,13 @@ import uuid
 
 import distributed
 import pytest
+from distributed import Client
 from prefect import flow, tags, task
 from prefect.states import State
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, routing
 from prefect_gpu_dask import cluster as clusters
-from tests.conftest import task_run_logs
+from tests.conftest import task_run_logs, worker_process_state
 
 
 @task(tags=["gpu"])
@@ -169,6 +170,30 @@ def test_local_workers_spawn_when_the_environment_changed_since_the_server_start
     monkeypatch.setenv("PREFECT_GPU_DASK_TEST_MARK", mark)
     parent, seen = _local_worker_parent_and_mark()
     assert (parent, seen) == (os.getpid(), mark)
+
+
+def test_remote_workers_with_the_nanny_preload_fork_from_a_preloaded_server(dask_processes):
+    """``dask worker --preload-nanny prefect_gpu_dask.nanny``: the first worker process
+    and its replacement after a restart fork from a server that already imported
+    Prefect; a plain ``dask worker`` spawns one that has not."""
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("forked", "--nthreads", "1", fork=True)
+    dask_processes.start_worker("spawned", "--nthreads", "1", fork=False)
+    dask_processes.wait_for_workers(2)
+    with Client(dask_processes.address) as client:
+        names = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        states = client.run(worker_process_state)
+        nannies = client.run(os.getpid, nanny=True)
+        forked_pid, server, preloaded = states[names["forked"]]
+        assert preloaded and server != nannies[names["forked"]]
+        _, spawned_parent, spawned_preloaded = states[names["spawned"]]
+        assert not spawned_preloaded and spawned_parent == nannies[names["spawned"]]
+
+        client.restart_workers([names["forked"]])
+        client.wait_for_workers(2)
+        names = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        pid, parent, preloaded = client.run(worker_process_state, workers=[names["forked"]])[names["forked"]]
+        assert (parent, preloaded) == (server, True) and pid != forked_pid
 
 
 def test_default_runner_error_mode_fails_within_bound():
