@@ -82,10 +82,11 @@ class DaskProcesses:
                 raise TimeoutError(f"no scheduler address in {scheduler_file} after 60 s")
             time.sleep(0.1)
 
-    def start_worker(self, name: str, *extra: str, fork: bool = True) -> None:
+    def start_worker(self, name: str, *extra: str, fork: bool = False) -> None:
         """``fork``: the nanny forks its worker processes from a preloaded server
-        (``--preload-nanny prefect_gpu_dask.nanny``), else spawns them, as a plain
-        ``dask worker`` does."""
+        (``--preload-nanny prefect_gpu_dask.nanny``) instead of spawning them, as a
+        plain ``dask worker`` does. It costs the nanny the imports up front, which
+        only restarts win back."""
         preload = ["--preload-nanny", "prefect_gpu_dask.nanny"] if fork else []
         self._spawn(
             "worker",
@@ -125,12 +126,11 @@ def worker_process_state() -> tuple[int, int, bool]:
 
 @pytest.fixture(scope="session")
 def remote_cluster(tmp_path_factory) -> Iterator[DaskProcesses]:
-    """A scheduler, one worker labelled GPU=1 and one plain CPU worker, both spawned
-    by their nannies as a plain ``dask worker`` does."""
+    """A scheduler, one worker labelled GPU=1 and one plain CPU worker."""
     procs = DaskProcesses(tmp_path_factory.mktemp("dask"))
     procs.start_scheduler()
-    procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1", fork=False)
-    procs.start_worker("cpu-worker", "--nthreads", "4", fork=False)
+    procs.start_worker("gpu-worker", "--nthreads", "4", "--resources", "GPU=1")
+    procs.start_worker("cpu-worker", "--nthreads", "4")
     procs.wait_for_workers(2)
     yield procs
     procs.close()
