@@ -17,9 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # No telemetry from test servers: this network reaches nothing, and its heartbeat clutters logs.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# Tests that read events back wait for the server's event persister, which writes a
-# short batch only every 5 s by default.
-os.environ.setdefault("PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL", "1")
 
 
 def has_gpu() -> bool:
