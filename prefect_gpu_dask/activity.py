@@ -152,13 +152,12 @@ class ActivityWatch:
         latest = self._latest
         return latest if latest is not None and time.time() - latest.time <= self._tick_s else None
 
-    def _instant(self) -> Instant:
-        fresh = self._fresh()
+    def _instant(self, fresh: Tick | None) -> Instant:
         return fresh.instant(time.time()) if fresh is not None else self._reader.instant()
 
     def start(self, ticket: int) -> None:
         try:
-            start = self._instant()
+            start = self._instant(self._fresh())
         except Exception:  # activity is a bonus: never fail a task for it
             return
         with self._lock:
@@ -182,7 +181,7 @@ class ActivityWatch:
             return None
         try:
             fresh = self._fresh()
-            end = fresh.instant(time.time()) if fresh is not None else self._reader.instant()
+            end = self._instant(fresh)
             device = None
             if not opened.utilization:
                 device = fresh.device_utilization if fresh is not None else None
