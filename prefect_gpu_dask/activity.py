@@ -145,12 +145,12 @@ class ActivityWatch:
         self._started = threading.Event()  # a task started: tick now
         self._thread: threading.Thread | None = None
         self._last_tick = float("-inf")  # monotonic
-        self._latest: Tick | None = None
+        self._latest: tuple[float, Tick] | None = None  # (monotonic time, tick) with a power reading
 
     def _fresh(self) -> Tick | None:
         """The latest tick, if it is recent enough to stand for a reading now."""
         latest = self._latest
-        return latest if latest is not None and time.time() - latest.time <= self._tick_s else None
+        return latest[1] if latest is not None and time.monotonic() - latest[0] <= self._tick_s else None
 
     def _instant(self, fresh: Tick | None) -> Instant:
         return fresh.instant(time.time()) if fresh is not None else self._reader.instant()
@@ -209,7 +209,8 @@ class ActivityWatch:
                 logger.debug("GPU activity reading failed: %r", exc)
                 time.sleep(self._tick_s)
                 continue
-            self._latest = tick
+            # Without power (a failed read), a task reads its own start and end instead.
+            self._latest = (time.monotonic(), tick) if tick.power_mw is not None else None
             with self._lock:
                 for opened in self._open.values():
                     self._see(opened, tick)

@@ -66,6 +66,31 @@ def test_the_watch_ticks_while_a_task_runs_and_judges_it_when_it_ends():
     assert reader.ticks <= ticks + 1  # no task open: the thread stops reading
 
 
+def test_a_tick_without_power_leaves_the_readings_to_the_task_thread():
+    class NoPower(Reader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.instants = 0
+
+        def instant(self) -> Instant:
+            self.instants += 1
+            return super().instant()
+
+        def device_utilization(self) -> int:
+            return 12
+
+    reader = NoPower()  # its ticks carry no power reading
+    watch = ActivityWatch(reader, tick_s=1.0)
+    watch.start(1)
+    deadline = time.monotonic() + 5
+    while reader.ticks == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.start(2)
+    activity = watch.stop(2)
+    assert reader.instants == 3 and activity.energy_j is not None
+    watch.stop(1)
+
+
 def test_a_reader_that_fails_never_fails_the_task():
     class Broken(Reader):
         def instant(self) -> Instant:
@@ -88,20 +113,22 @@ def test_while_a_tick_is_fresh_the_task_thread_reads_nothing_itself():
 
         def tick(self) -> Tick:
             tick = super().tick()
-            return tick._replace(power_mw=200_000, device_utilization=33)
+            return tick._replace(power_mw=100_000, device_utilization=33)  # the reader says 250 W
 
     reader = Counting()
     watch = ActivityWatch(reader, tick_s=1.0)
     watch.start(1)  # nothing read yet: the task thread reads its start itself
     deadline = time.monotonic() + 5
-    while reader.ticks == 0 and time.monotonic() < deadline:
+    while watch._fresh() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert reader.instants == 1 and reader.ticks >= 1
+    started = time.perf_counter()
     watch.start(2)
     time.sleep(0.1)
     activity = watch.stop(2)
+    took = time.perf_counter() - started
     assert reader.instants == 1  # start, end and utilisation all from the fresh tick
-    assert activity.energy_j == pytest.approx(0.1 * 200, rel=0.3)
+    assert activity.energy_j == pytest.approx(took * 100, rel=0.1)  # the tick's 100 W
     assert activity.temperature_peak_c == 70 and activity.throttle_reasons == ("hw_slowdown",)
     assert (activity.sm_util_mean, activity.util_scope) == (33, DEVICE)  # no tick inside it
     watch.stop(1)
