@@ -294,11 +294,6 @@ def bench_guard(samples: int) -> dict[str, Any]:
         ticket, before, started = guard.begin()
         guard.end(ticket, before, started)
         costs.append(time.perf_counter() - start)
-    reads = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        guard.probe.sample()
-        reads.append(time.perf_counter() - start)
     activity = []  # of the guard's cost: the task thread's utilisation/energy/temperature part
     watch = guard._activity
     for ticket in range(samples if watch is not None else 0):
@@ -307,19 +302,25 @@ def bench_guard(samples: int) -> dict[str, Any]:
         watch.stop(-1 - ticket)
         activity.append(time.perf_counter() - start)
     sampler = guard._sampler
-    parts = {  # each reading and step of begin()+end() on its own, median µs
+
+    def peak_sampler_start_stop() -> None:
+        sampler.start(-1, 0)
+        sampler.stop(-1, 0)
+
+    parts = {  # each reading and step of begin()+end() on its own
         "process_read": guard._read_process,
         "allocators_read": guard._read_allocators,
         "device_and_process_read": guard.probe.sample,
-        "peak_sampler_start_stop": lambda: sampler.stop(sampler.start(-1, 0) or -1, 0),
+        "peak_sampler_start_stop": peak_sampler_start_stop,
     }
+    parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}
     return {
         "guard_us": statistics.median(costs) * 1e6,
-        "nvml_sample_us": statistics.median(reads) * 1e6,  # one probe read; the guard makes two
+        "nvml_sample_us": parts_us["device_and_process_read"],  # one full probe read
         "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
         "health_check_us": statistics.median(checks) * 1e6,  # before each gpu task, and on a timer
         "activity_us": statistics.median(activity) * 1e6 if activity else None,
-        "parts_us": {name: statistics.median(runs_of(read, samples)) * 1e6 for name, read in parts.items()},
+        "parts_us": parts_us,
         "health_limits": list(health.limits),
         "samples": samples,
     }

@@ -66,16 +66,20 @@ def test_the_watch_ticks_while_a_task_runs_and_judges_it_when_it_ends():
     assert reader.ticks <= ticks + 1  # no task open: the thread stops reading
 
 
+class CountingReader(Reader):
+    """``Reader`` that counts the readings a task thread takes itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.instants = 0
+
+    def instant(self) -> Instant:
+        self.instants += 1
+        return super().instant()
+
+
 def test_a_tick_without_power_leaves_the_readings_to_the_task_thread():
-    class NoPower(Reader):
-        def __init__(self) -> None:
-            super().__init__()
-            self.instants = 0
-
-        def instant(self) -> Instant:
-            self.instants += 1
-            return super().instant()
-
+    class NoPower(CountingReader):
         def device_utilization(self) -> int:
             return 12
 
@@ -102,15 +106,7 @@ def test_a_reader_that_fails_never_fails_the_task():
 
 
 def test_while_a_tick_is_fresh_the_task_thread_reads_nothing_itself():
-    class Counting(Reader):
-        def __init__(self) -> None:
-            super().__init__()
-            self.instants = 0
-
-        def instant(self) -> Instant:
-            self.instants += 1
-            return super().instant()
-
+    class Counting(CountingReader):
         def tick(self) -> Tick:
             tick = super().tick()
             return tick._replace(power_mw=100_000, device_utilization=33)  # the reader says 250 W
