@@ -22,7 +22,7 @@ import multiprocessing.forkserver
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -124,7 +124,7 @@ _forking_clusters = 0  # local clusters alive whose workers fork from the server
 _users_start_method = "spawn"  # the setting before the first of them
 
 
-def worker_start_method(cuda: bool = False) -> str:
+def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None) -> str:
     """How a local cluster started now should start its worker processes.
 
     ``forkserver`` when the user left Dask's default (``spawn``) and the server this
@@ -133,6 +133,8 @@ def worker_start_method(cuda: bool = False) -> str:
     server's working directory, so a variable or directory changed since the server
     started means ``spawn`` for this cluster.
     ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own.
+    ``preload``: what the server imports; by default those of ``WORKER_PRELOAD`` that
+    this process has imported cleanly.
     """
     global _fork_server_surroundings
     with _fork_server_lock:
@@ -150,9 +152,10 @@ def worker_start_method(cuda: bool = False) -> str:
                 pre_spawn["PYTHONHASHSEED"] = "6640"
             os.environ.update(pre_spawn)
             enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
-            # Only what imported cleanly here: one module failing in the server, with
-            # anything but ImportError, would fail every worker start.
-            preload = [name for name in WORKER_PRELOAD if name in sys.modules]
+            if preload is None:
+                # Only what imported cleanly here: one module failing in the server, with
+                # anything but ImportError, would fail every worker start.
+                preload = [name for name in WORKER_PRELOAD if name in sys.modules]
             try:
                 multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
                 multiprocessing.forkserver.ensure_running()

@@ -7,15 +7,14 @@ The nanny's worker process, the first and every replacement after a recycle, for
 from a server that has already imported Prefect, Dask and this package, as the
 runner's own local clusters do (``cluster.worker_start_method``), instead of being
 spawned to import them again: a recycled GPU worker serves again seconds sooner. The
-server never touches CUDA or NVML. A start method set in Dask's config
-(``distributed.worker.multiprocessing-method``) other than the default ``spawn`` is
-left as it is.
+nanny itself imports none of them; the server does, once, and never touches CUDA or
+NVML. A start method set in Dask's config (``distributed.worker.multiprocessing-method``)
+other than the default ``spawn`` is left as it is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+import importlib.util
 from typing import Any
 
 import dask
@@ -23,10 +22,12 @@ import dask
 from prefect_gpu_dask.cluster import START_METHOD_KEY, WORKER_PRELOAD, worker_start_method
 
 
+def installed(module: str) -> bool:
+    """Whether ``module``'s top-level package is installed, without importing it."""
+    return importlib.util.find_spec(module.partition(".")[0]) is not None
+
+
 def dask_setup(nanny: Any) -> None:
-    for name in WORKER_PRELOAD:
-        with contextlib.suppress(ImportError):  # pandas, say, is optional
-            importlib.import_module(name)
-    method = worker_start_method()
+    method = worker_start_method(preload=[name for name in WORKER_PRELOAD if installed(name)])
     if method == "forkserver":
         dask.config.set({START_METHOD_KEY: method})

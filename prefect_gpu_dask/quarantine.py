@@ -9,7 +9,7 @@
   sent there again, unless no other worker offers a GPU: then the worker keeps them,
   so ``gpu`` tasks still reach it and fail at once instead of waiting for a GPU that
   will not come.
-- worker, per task (``submission.run_prefect_task``): a ``gpu`` task on a quarantined
+- worker, per task (``submission.run_task_run``): a ``gpu`` task on a quarantined
   GPU goes back to the scheduler (``distributed.Reschedule``) before Prefect's engine
   starts, to run on a healthy GPU, or, with none left, fails with ``UnhealthyGPUError``.
 - flow: the runner logs each ``GPUQuarantine``, emits ``prefect-gpu-dask.gpu.unhealthy``

@@ -5,8 +5,9 @@ rebuilds it. Profiled, almost all of that is the settings context: dumping it on
 flow side and re-validating it (pydantic-settings re-reads the environment) on the
 worker, per task. Settings do not change within a flow run, so
 here they are dumped once per settings object and rebuilt once per worker process,
-keyed by a content hash. Everything else (flow run, tags, assets, task run) is
-serialised per task exactly as prefect-dask does.
+keyed by a token made when they are first dumped. Everything else (flow run, tags,
+assets, task run) is serialised per task exactly as prefect-dask does, and sealed
+(``payload``) so that the scheduler never unpickles a Prefect object.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prefect.task_engine import run_task_async, run_task_sync
 from prefect.utilities.engine import collect_task_run_inputs_sync
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.payload import Shared, run_prefect_task, seal
 from prefect_gpu_dask.quarantine import screen
 from prefect_gpu_dask.recycling.worker import WorkerDiedError, announce_start, refusal
 from prefect_gpu_dask.taskwrap import with_around
@@ -58,25 +60,6 @@ class _Serialized:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
-
-
-class Shared:
-    """An object pickled once on the flow side and unpickled once per worker process."""
-
-    __slots__ = ("token", "blob")
-
-    def __init__(self, value: Any):
-        self.token = uuid4().hex
-        self.blob = cloudpickle.dumps(value)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_shared_from, (self.token, self.blob))
-
-
-def _shared_from(token: str, blob: bytes) -> Shared:
-    shared = Shared.__new__(Shared)
-    shared.token, shared.blob = token, blob
-    return shared
 
 
 class TaskSubmitter:
@@ -154,8 +137,7 @@ class TaskSubmitter:
             task_run_id=task_run_id,
             parameters=parameters,
             wait_for=wait_for,
-            dependencies=inputs,
-            context=self.context(task, task_run_id, inputs),
+            sealed=seal(dependencies=inputs, context=self.context(task, task_run_id, inputs)),
             key=f"{task.name}-{task_run_id.hex}",
             pure=False,
         )
@@ -225,7 +207,7 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     return _cached(f"settings-{shared.token}", build)
 
 
-def run_prefect_task(*, task: Any, context: dict[str, Any], **run_kwargs: Any) -> Any:
+def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
     task = screen(task, _compat.current_task_restrictions())  # a sick GPU's work goes elsewhere

@@ -435,7 +435,10 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
     """A GPU task submitted while the only GPU worker is being recycled must wait for
     its replacement, not fall back to the CPU worker as if there were no GPU."""
     procs.start_scheduler()
-    procs.start_worker("gpu-worker", "--nthreads", "2", "--resources", "GPU=1")
+    # The replacement registers seconds late: the task is surely submitted while it is away.
+    procs.start_worker(
+        "gpu-worker", "--nthreads", "2", "--resources", "GPU=1", "--preload", "tests.slow_replacement"
+    )
     procs.start_worker("cpu-worker", "--nthreads", "2")
     procs.wait_for_workers(2)
     address = procs.address

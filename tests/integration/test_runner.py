@@ -62,6 +62,21 @@ def test_gpu_tasks_run_only_on_the_gpu_worker(remote_cluster):
     assert set(free) <= {"gpu-worker", "cpu-worker"}
 
 
+def test_the_scheduler_never_imports_prefect(remote_cluster):
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def chained():
+        first = gpu_where.submit(1)
+        return anywhere.submit(first).result()  # its inputs name the first task run
+
+    assert chained() in {"gpu-worker", "cpu-worker"}
+    with Client(remote_cluster.address) as client:
+        # a lambda travels by value: a function of this module would import Prefect there
+        loaded = client.run_on_scheduler(
+            lambda: sorted(name for name in __import__("sys").modules if name.split(".")[0] == "prefect")
+        )
+    assert loaded == []
+
+
 def test_custom_tag_map_routes(remote_cluster):
     @task(tags=["big"])
     def big() -> str:
@@ -175,7 +190,8 @@ def test_local_workers_spawn_when_the_environment_changed_since_the_server_start
 def test_remote_workers_with_the_nanny_preload_fork_from_a_preloaded_server(dask_processes):
     """``dask worker --preload-nanny prefect_gpu_dask.nanny``: the first worker process
     and its replacement after a restart fork from a server that already imported
-    Prefect; a plain ``dask worker`` spawns one that has not."""
+    Prefect (the nanny itself imports none of it); a plain ``dask worker`` spawns one
+    that has not."""
     dask_processes.start_scheduler()
     dask_processes.start_worker("forked", "--nthreads", "1", fork=True)
     dask_processes.start_worker("spawned", "--nthreads", "1", fork=False)
@@ -183,7 +199,9 @@ def test_remote_workers_with_the_nanny_preload_fork_from_a_preloaded_server(dask
     with Client(dask_processes.address) as client:
         names = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         states = client.run(worker_process_state)
-        nannies = client.run(os.getpid, nanny=True)
+        nanny_states = client.run(worker_process_state, nanny=True)
+        nannies = {address: pid for address, (pid, _, _) in nanny_states.items()}
+        assert not any(engine for _, _, engine in nanny_states.values()), nanny_states
         forked_pid, server, preloaded = states[names["forked"]]
         assert preloaded and server != nannies[names["forked"]]
         _, spawned_parent, spawned_preloaded = states[names["spawned"]]
