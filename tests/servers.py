@@ -90,10 +90,49 @@ def postgres_server() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def migrated_sqlite(path: Path) -> None:
+    """Put a SQLite database already migrated by this Prefect at ``path``.
+
+    It is a copy of a template that ``prefect server database upgrade`` builds once per
+    Prefect version and machine (test processes share it, under a lock), so a server
+    started on it skips the migrations, which are most of its start on 2 cores.
+    """
+    import fcntl
+    import hashlib
+    import sqlite3
+
+    import prefect.server.database
+
+    migrations = Path(prefect.server.database.__file__).parent / "_migrations" / "versions" / "sqlite"
+    tag = hashlib.sha256("\n".join(sorted(p.name for p in migrations.glob("*.py"))).encode()).hexdigest()
+    root = Path(tempfile.gettempdir()) / f"prefect-gpu-dask-sqlite-{prefect.__version__}-{tag[:12]}"
+    root.mkdir(exist_ok=True)
+    template = root / "prefect.db"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not template.exists():
+            building = root / f"building-{os.getpid()}.db"
+            subprocess.run(
+                [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                env={
+                    **os.environ,
+                    "PREFECT_HOME": str(root),
+                    "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{building}",
+                },
+                check=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            with contextlib.closing(sqlite3.connect(building)) as db:
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # all of it in the one file
+            os.replace(building, template)
+    shutil.copyfile(template, path)
+
+
 @contextlib.contextmanager
 def prefect_server(database_url: str | None = None, timeout: float = 180) -> Iterator[str]:
-    """``prefect server start`` on 127.0.0.1 (on ``database_url``, else SQLite in a temp
-    dir); yields its API URL once ``/api/health`` answers."""
+    """``prefect server start`` on 127.0.0.1 (on ``database_url``, else on a migrated
+    SQLite copy in a temp dir); yields its API URL once ``/api/health`` answers."""
     home = Path(tempfile.mkdtemp(prefix="prefect-home-"))
     port = free_port()
     env = {
@@ -102,6 +141,9 @@ def prefect_server(database_url: str | None = None, timeout: float = 180) -> Ite
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_DATABASE_CONNECTION_URL": database_url or f"sqlite+aiosqlite:///{home / 'prefect.db'}",
     }
+    if database_url is None:
+        migrated_sqlite(home / "prefect.db")
+        env["PREFECT_SERVER_DATABASE_MIGRATE_ON_START"] = "false"
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(

@@ -6,12 +6,16 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.servers import prefect_server
+
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_api() -> Iterator[str]:
-    """One real Prefect API server (SQLite in a temp dir) for the whole session."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+    """One real Prefect API server (``prefect server start``, SQLite in a temp dir) for
+    the whole session; this process reaches it through its settings context only."""
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield PREFECT_API_URL.value()
+    with prefect_server() as api, temporary_settings({PREFECT_API_URL: api}):
+        yield api
+        EventsWorker.drain_all()

@@ -31,6 +31,7 @@ import pytest
 
 from prefect_gpu_dask.chart import WIDTH
 from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
+from tests.servers import migrated_sqlite
 from tests.ui_helpers import LEAK_BYTES, HeadlessChromium, start_guarded_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +119,7 @@ class PrefectServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_url = f"{self.url}/api"
         home.mkdir(parents=True)
+        migrated_sqlite(home / "prefect.db")  # PREFECT_HOME's default database
         self.log = home / "server.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start"]
@@ -128,6 +130,7 @@ class PrefectServer:
                 PREFECT_API_URL=self.api_url,
                 PREFECT_UI_API_URL=self.api_url,
                 PREFECT_UI_ENABLED="true",
+                PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false",
             ),
             stdout=open(self.log, "w"),
             stderr=subprocess.STDOUT,
