@@ -10,6 +10,7 @@ workspaces are.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -30,23 +31,34 @@ HEALTH_DIR_ENV = "FAKE_GPU_HEALTH_DIR"
 
 
 class FakeBlock:
-    live: weakref.WeakSet[FakeBlock] = weakref.WeakSet()
+    """Device memory held while the block lives. Probes read the sizes alone: a reader
+    that held the blocks themselves, even for a moment on another thread, would keep
+    garbage alive through the guard's ``gc.collect()`` and make a cache look like a leak."""
+
+    sizes: dict[int, tuple[int, bool]] = {}  # live block's serial -> (bytes, pooled)
+    _serials = itertools.count()
 
     def __init__(self, nbytes: int, pooled: bool = True):
         self.nbytes = nbytes
         self.pooled = pooled
-        FakeBlock.live.add(self)
+        serial = next(FakeBlock._serials)
+        FakeBlock.sizes[serial] = (nbytes, pooled)
+        weakref.finalize(self, FakeBlock.sizes.pop, serial, None)
+
+    @staticmethod
+    def held() -> list[tuple[int, bool]]:
+        return list(FakeBlock.sizes.values())  # one C call: no thread changes it meanwhile
 
 
 class FakeDeviceProbe:
     gpu = GPUIdentity(0, "GPU-00000000-fake-0000-0000-000000000000", "NVIDIA FakeGPU G1", TOTAL)
 
     def sample(self) -> MemorySample:
-        used = sum(block.nbytes for block in list(FakeBlock.live))
+        used = sum(nbytes for nbytes, _ in FakeBlock.held())
         return MemorySample(used, used, TOTAL)
 
     def allocator_bytes(self) -> AllocatorBytes:
-        return AllocatorBytes(owned=sum(b.nbytes for b in list(FakeBlock.live) if b.pooled))
+        return AllocatorBytes(owned=sum(nbytes for nbytes, pooled in FakeBlock.held() if pooled))
 
     def activity_reader(self) -> ScriptedActivity:
         return ScriptedActivity()
