@@ -44,7 +44,7 @@ from prefect_gpu_dask.records import (
     RestartRecord,
     TaskRecord,
 )
-from prefect_gpu_dask.recycling.flow import Recycler, resolved
+from prefect_gpu_dask.recycling.flow import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
 from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
 from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, RestartPolicy, RunnerSettings
@@ -407,7 +407,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 )
         if route.wait_s:
             self._resource_wait.add(wrapped.key, route.resources, route.wait_s)
-        future = PrefectDaskFuture(wrapped_future=wrapped, task_run_id=wrapped.task_run_id)
+        future = RecyclableFuture(wrapped_future=wrapped, task_run_id=wrapped.task_run_id)
         self._recycler.track(wrapped.key, future)
         return future
 

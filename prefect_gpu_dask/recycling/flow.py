@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from distributed import CancelledError
+from prefect_dask.task_runners import PrefectDaskFuture
+
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.records import RestartRecord, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling import scheduler as on_scheduler
@@ -276,10 +279,7 @@ class Recycler:
         futures = {key: f for key in keys if (f := self._futures.get(key)) is not None}
         states = self.client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
         for key, state in states.items():
-            future = futures[key]
-            _compat.set_future_final_state(future, state)
-            _moved.add(future)
-            future.wrapped_future.release()
+            move_into_flow(futures[key], state)
 
     def _record(
         self,
@@ -329,6 +329,36 @@ _moved: weakref.WeakSet[Any] = weakref.WeakSet()
 def is_moved(future: Any) -> bool:
     """Whether a future's result moved into the flow before its worker restarted."""
     return future in _moved
+
+
+class RecyclableFuture(PrefectDaskFuture):
+    """The runner's ``PrefectDaskFuture``: its result may move into the flow while a
+    thread waits on it. The move lets Dask forget the key, which cancels that wait;
+    the waiter gets the moved state instead of ``CancelledError``."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            super().wait(timeout)
+        except CancelledError:
+            if not is_moved(self):
+                raise
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        try:
+            return super().result(timeout, raise_on_failure)
+        except CancelledError:
+            moved = _compat.future_final_state(self) if is_moved(self) else None
+            if moved is None:
+                raise
+            return moved.result(raise_on_failure=raise_on_failure, _sync=True)
+
+
+def move_into_flow(future: Any, state: Any) -> None:
+    """``future``'s final state is ``state`` from now on; Dask may forget its key (in
+    that order: a thread waiting on the key then finds the state)."""
+    _compat.set_future_final_state(future, state)
+    _moved.add(future)
+    future.wrapped_future.release()
 
 
 def resolved(future: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,13 +17,13 @@ from pathlib import Path
 import dask
 import dask.array as da
 import pytest
-from distributed import Client, LocalCluster
+from distributed import CancelledError, Client, LocalCluster
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import RestartRecord, compute_on_gpus
 from prefect_gpu_dask._compat import future_final_state
 from prefect_gpu_dask.guard import PLUGIN_NAME
-from prefect_gpu_dask.recycling.flow import Recycler
+from prefect_gpu_dask.recycling.flow import RecyclableFuture, Recycler, move_into_flow
 from prefect_gpu_dask.recycling.worker import drain
 
 
@@ -146,3 +147,47 @@ def test_compute_on_gpus_survives_a_restart_of_another_worker(restart_during):
         recycle(rc, w2)
         assert future.result(timeout=30) == 2.0 * 400 * 400
         rc.close(wait=False)
+
+
+HOLD = threading.Event()
+
+
+def held() -> str:
+    HOLD.wait(30)
+    return "from dask"
+
+
+def test_a_result_moved_while_the_flow_waits_on_it_reaches_the_waiter():
+    """The flow waits on a task's result just as that task's worker is recycled: the
+    result moves into the flow and Dask forgets the key, which cancels the wait. The
+    waiter gets the moved result; a wait cancelled for any other reason still fails."""
+    from prefect.states import Completed
+
+    HOLD.clear()
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as lc,
+        Client(lc) as client,
+    ):
+        futures = [
+            RecyclableFuture(wrapped_future=client.submit(held, pure=False), task_run_id=uuid.uuid4())
+            for _ in range(2)
+        ]
+        outcomes: dict[int, object] = {}
+
+        def wait_on(i: int) -> None:
+            try:
+                outcomes[i] = futures[i].result(timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - the outcome is what is tested
+                outcomes[i] = exc
+
+        waiters = [threading.Thread(target=wait_on, args=(i,)) for i in range(2)]
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(0.5)  # both are waiting on Dask now
+        move_into_flow(futures[0], Completed(data="moved"))
+        futures[1].wrapped_future.release()  # cancelled, nothing moved
+        for waiter in waiters:
+            waiter.join(15)
+        HOLD.set()
+    assert outcomes[0] == "moved"
+    assert isinstance(outcomes[1], CancelledError), outcomes[1]
