@@ -347,10 +347,9 @@ class RecyclableFuture(PrefectDaskFuture):
         try:
             return super().result(timeout, raise_on_failure)
         except CancelledError:
-            moved = _compat.future_final_state(self) if is_moved(self) else None
-            if moved is None:
+            if not is_moved(self):
                 raise
-            return moved.result(raise_on_failure=raise_on_failure, _sync=True)
+            return super().result(timeout, raise_on_failure)  # now read from the moved state
 
 
 def move_into_flow(future: Any, state: Any) -> None:
