@@ -453,14 +453,18 @@ def test_gpu_task_submitted_mid_restart_waits_for_the_gpu_worker(procs: DaskProc
         runner = FlowRunContext.get().task_runner
         leaked = slow_leak.submit(512 * MiB, 1.5)
         # Watch the scheduler (with a client of our own) for the old GPU worker to go.
+        # Asked directly: ``scheduler_info()`` returns a snapshot that the client's own
+        # periodic refresh may have overwritten with an older one.
         with Client(address, set_as_default=False) as watcher:
+
+            def gpu_worker_present() -> bool:
+                return watcher.run_on_scheduler(lambda dask_scheduler: gpu_address in dask_scheduler.workers)
+
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if gpu_address not in watcher.scheduler_info(n_workers=-1)["workers"]:
-                    break
+            while time.monotonic() < deadline and gpu_worker_present():
                 time.sleep(0.01)
             during = gpu_work.submit(ledger, 0, 0.0)
-            removed = gpu_address not in watcher.scheduler_info(n_workers=-1)["workers"]
+            removed = not gpu_worker_present()
         deadline = time.monotonic() + 60
         while not runner.restarts and time.monotonic() < deadline:
             time.sleep(0.05)
