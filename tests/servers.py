@@ -177,3 +177,14 @@ def prefect_server(database_url: str | None = None, timeout: float = 180) -> Ite
             proc.wait(10)
         log.close()
         shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
+    """A ``prefect_server`` that this process's flows use, through the settings context."""
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with prefect_server(database_url) as api, temporary_settings({PREFECT_API_URL: api}):
+        yield api
+        EventsWorker.drain_all()  # this process's events reach this server, not the next

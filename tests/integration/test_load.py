@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 from prefect_gpu_dask import GPUDaskTaskRunner
 from tests.conftest import DaskProcesses
 from tests.integration.test_reliability import max_concurrency
-from tests.servers import prefect_server
+from tests.servers import using_prefect_server
 
 # -- 4. load ------------------------------------------------------------------------
 
@@ -29,12 +29,8 @@ def own_prefect_api():
     """A Prefect API server of this test's own: it spends a minute after a load test
     recording its task runs' events, which must not slow the next flow run or the
     tests that share the session's server."""
-    from prefect.events.worker import EventsWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with prefect_server() as api, temporary_settings({PREFECT_API_URL: api}):
+    with using_prefect_server():
         yield
-        EventsWorker.drain_all()  # this process's events reach this server, not the next
 
 
 @pytest.fixture(scope="module")
