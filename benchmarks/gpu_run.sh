@@ -2,6 +2,8 @@
 # Everything the GPU machine proves, in one batch (see ../shared/device/README.md):
 # GPU tests, the GPU flows, the benchmark suite. Output goes to $OUT (default ./gpu-out).
 #   PHASES=tests,flows,probes,bench (default: all four)   BENCH_ARGS="--sections cube,scaling"
+# Carry [".whl"] (../shared/device/make-wheels), and ".pg" (benchmarks/pack_postgres.sh) for
+# the benchmarks' PostgreSQL rounds.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 PHASES=${PHASES:-tests,flows,probes,bench}
@@ -14,8 +16,28 @@ if [ -d .whl ]; then  # once per machine, again when the wheels change
   fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
+if [ -f .pg/postgres.tar.xz ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  # PostgreSQL packed here by benchmarks/pack_postgres.sh: a library the host lacks comes from
+  # the pack; PostgreSQL refuses to run as root, so it runs as a 'postgres' user.
+  pack=$(mktemp -d) && tar xJf .pg/postgres.tar.xz -C "$pack" &&
+    cp -a "$pack"/usr/lib/postgresql /usr/lib/ && cp -a "$pack"/usr/share/postgresql /usr/share/ &&
+    mkdir -p /usr/local/lib/postgres-pack &&
+    for lib in "$pack"/pglibs/*; do
+      ldconfig -p | grep -q "^\s$(basename "$lib") " || cp "$lib" /usr/local/lib/postgres-pack/
+    done &&
+    echo /usr/local/lib/postgres-pack > /etc/ld.so.conf.d/postgres-pack.conf && ldconfig
+  [ -d /usr/share/zoneinfo ] || ln -s /tmp/site/tzdata/zoneinfo /usr/share/zoneinfo
+  id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
+  if ! /usr/lib/postgresql/*/bin/postgres --version; then
+    ldd /usr/lib/postgresql/*/bin/postgres | grep "not found"
+    rm -rf /usr/lib/postgresql  # the benchmarks then skip PostgreSQL, saying why
+  fi
+fi
 export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-quiet() { grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloading|utils_perf|shuffle)|^\s*$"; }
+quiet() {
+  grep -vE "distributed\.(core|nanny|scheduler|worker|http|comm|preloading|utils_perf|shuffle)|^\s*$" |
+    grep -vE "(Task|Flow) run '[^']*' - Finished in state Completed\(\)$"
+}
 {
   echo "# $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd';'); $(nproc) host cores; $(date -u +%FT%TZ)"
   python3 -c "import dask, distributed, dask_cuda, prefect, cupy; print('dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__)"

@@ -54,10 +54,11 @@ def caught_up(flow_run_id: str, task_runs: int, timeout: float = 300) -> float:
     return time.monotonic() - start
 
 
-def measure(api_url: str, n: int, rounds: int, runner_kwargs: dict[str, Any]) -> dict[str, Any]:
+def measure(n: int, rounds: int, runner_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Rounds of ``n`` tagged and ``n`` untagged task runs, reported to the current API."""
     from prefect import flow, task
     from prefect.context import FlowRunContext
-    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+    from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
     from prefect_gpu_dask import GPUDaskTaskRunner
 
@@ -77,7 +78,7 @@ def measure(api_url: str, n: int, rounds: int, runner_kwargs: dict[str, Any]) ->
 
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     catch_up: list[float] = []
-    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_LOGGING_TO_API_ENABLED: False}):
+    with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: False}):
         for _ in range(rounds):
             for kind in kinds:
                 elapsed, flow_run_id = batch(kind)
@@ -95,52 +96,47 @@ def measure(api_url: str, n: int, rounds: int, runner_kwargs: dict[str, Any]) ->
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    if args.tasks < 1 or args.rounds < 1:
-        parser.error(f"--tasks {args.tasks} and --rounds {args.rounds} must be >= 1")
-
-    from benchmarks.run import device_name, versions
+def runner_kwargs() -> dict[str, Any]:
+    """The runner's own cluster where there are GPUs, else one CPU worker labelled ``GPU=1``."""
     from prefect_gpu_dask.nvml import visible_gpu_count
-    from tests.servers import postgres_missing, postgres_server, prefect_server
 
-    gpus = visible_gpu_count()
-    runner_kwargs: dict[str, Any] = (
-        {}
-        if gpus
-        else {
-            "cluster_class": "distributed.LocalCluster",
-            "cluster_kwargs": {"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
-        }
-    )
-    result: dict[str, Any] = {
-        "date": date.today().isoformat(),
-        "device": device_name(),
-        "versions": versions(),
-        "tasks": args.tasks,
-        "rounds": args.rounds,
-        "cluster": "LocalCUDACluster" if gpus else "one CPU worker labelled GPU=1, 8 threads",
+    if visible_gpu_count():
+        return {}
+    return {
+        "cluster_class": "distributed.LocalCluster",
+        "cluster_kwargs": {"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
     }
-    print(f"sqlite ({args.tasks} tasks x {args.rounds} rounds)", flush=True)
-    with prefect_server() as api:
-        result["sqlite"] = measure(api, args.tasks, args.rounds, runner_kwargs)
-    missing = postgres_missing()
-    if missing:
+
+
+def compare(tasks: int, rounds: int) -> dict[str, Any]:
+    """Tagged against untagged on SQLite and on PostgreSQL (skipped, saying why, without it)."""
+    from tests.servers import postgres_missing, postgres_server, using_prefect_server
+
+    kwargs = runner_kwargs()
+    result: dict[str, Any] = {
+        "tasks": tasks,
+        "rounds": rounds,
+        "cluster": "one CPU worker labelled GPU=1, 8 threads" if kwargs else "LocalCUDACluster",
+    }
+    print(f"sqlite ({tasks} tasks x {rounds} rounds)", flush=True)
+    with using_prefect_server():
+        result["sqlite"] = measure(tasks, rounds, kwargs)
+    if missing := postgres_missing():
         result["postgres"] = {"skipped": missing}
     else:
         print("postgres", flush=True)
-        with postgres_server() as database, prefect_server(database) as api:
-            result["postgres"] = measure(api, args.tasks, args.rounds, runner_kwargs)
-
-    result["per_task_gpu_1000"] = {
+        with postgres_server() as database, using_prefect_server(database):
+            result["postgres"] = measure(tasks, rounds, kwargs)
+    result["summary"] = {
         "sqlite_s": result["sqlite"]["tagged_median_s"],
         "postgres_s": result["postgres"].get("tagged_median_s"),
         "tagged_over_untagged_sqlite": result["sqlite"]["tagged_over_untagged"],
         "tagged_over_untagged_postgres": result["postgres"].get("tagged_over_untagged"),
     }
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
     print(f"\n{'database':10s} {'untagged':>16s} {'tagged':>16s} {'ratio':>6s} {'catch-up':>9s}")
     for name in ("sqlite", "postgres"):
         r = result[name]
@@ -152,6 +148,25 @@ def main() -> None:
             f" {r['tagged_median_s']:7.2f} (p95 {r['tagged_p95_s']:5.2f})"
             f" {r['tagged_over_untagged']:6.2f} {r['catch_up_median_s']:8.1f}s"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.tasks < 1 or args.rounds < 1:
+        parser.error(f"--tasks {args.tasks} and --rounds {args.rounds} must be >= 1")
+
+    from benchmarks.run import device_name, versions
+
+    result: dict[str, Any] = {
+        "date": date.today().isoformat(),
+        "device": device_name(),
+        "versions": versions(),
+    } | compare(args.tasks, args.rounds)
+    result["per_task_gpu_1000"] = result.pop("summary")
+    print_table(result)
     slug = result["device"].replace(" ", "-").replace("(", "").replace(")", "").lower()
     out = ROOT / "benchmarks" / "results" / f"{result['date']}-{slug}-per-task-gpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

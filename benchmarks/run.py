@@ -27,7 +27,10 @@ import dask.array as da
 
 from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.* and tests.servers (the test suite's servers)
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+RESULTS = ROOT / "benchmarks" / "results"
 WARM_TASKS = 64  # at least every thread of every worker on the machines we measure
 GiB = 2**30
 
@@ -139,19 +142,13 @@ def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> 
 def on_postgres(measure: Any) -> Any:
     """``measure()`` with the runner reporting to ``prefect server start`` on PostgreSQL
     (the production set-up) instead of the embedded SQLite server; why not, if it cannot."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from prefect.logging.handlers import APILogWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.servers import postgres_missing, postgres_server, prefect_server
+    from tests.servers import postgres_missing, postgres_server, using_prefect_server
 
     if (why := postgres_missing()) is not None:
         return {"skipped": why}
-    with (
-        postgres_server() as database,
-        prefect_server(database) as api,
-        temporary_settings({PREFECT_API_URL: api}),
-    ):
+    with postgres_server() as database, using_prefect_server(database):
         result = measure()
         APILogWorker.drain_all(timeout=10)  # the logs go to this server before it stops
         return result
@@ -431,8 +428,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small CPU-sized run")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--sections", default="cube,tasks,guard,leak,scaling")
+    parser.add_argument("--sections", default="cube,tasks,guard,leak,tagged,scaling")
     parser.add_argument("--tasks", default="200,1000")
+    parser.add_argument(
+        "--tagged",
+        default="1000:3",
+        help="TASKS:ROUNDS for the tagged section (gpu-tagged vs untagged, SQLite and PostgreSQL)",
+    )
     parser.add_argument(
         "--scaling-n",
         default="100000",
@@ -445,11 +447,16 @@ def main() -> None:
 
     gpu = gpu_available() and not args.quick
     n, chunk = (100_000, 10_000) if gpu else (4_000, 1_000)
-    args.scaling_sizes = scaling_sizes(args.scaling_n, chunk)  # bad input fails before anything runs
+    # Bad input fails before anything runs.
+    args.scaling_sizes = scaling_sizes(args.scaling_n, chunk)
+    args.tagged_tasks, args.tagged_rounds = tagged_size(args.tagged)
     sections = set(args.sections.split(","))
+    if unknown := sections - SUMMARY_KEYS.keys():
+        raise SystemExit(f"--sections: {','.join(sorted(unknown))} not among {','.join(SUMMARY_KEYS)}")
     result: dict[str, Any] = {
         "device": device_name(),
         "date": date.today().isoformat(),
+        "sections": sorted(sections),
         "host_cores": os.cpu_count(),
         "versions": versions(),
         "warm": (
@@ -481,6 +488,11 @@ def run_sections(
     if "leak" in sections:
         result["leak"] = bench_leak_and_start(gpu)
         print("leak", json.dumps(result["leak"], default=str), flush=True)
+    if "tagged" in sections:
+        from benchmarks.per_task_gpu import compare
+
+        result["per_task_gpu"] = compare(args.tagged_tasks, args.tagged_rounds)
+        print("per_task_gpu", json.dumps(result["per_task_gpu"]["summary"]), flush=True)
     if "scaling" in sections and gpu:
         for i, (side, side_chunk) in enumerate(args.scaling_sizes):
             # After the seed's cube, more work per GPU: fixed costs weigh less.
@@ -500,6 +512,35 @@ def scaling_sizes(spec: str, chunk: int) -> list[tuple[int, int]]:
         except ValueError:
             raise SystemExit(f"--scaling-n: {entry!r} is not SIDE or SIDE:CHUNK (integers)") from None
     return sizes
+
+
+def tagged_size(spec: str) -> tuple[int, int]:
+    """``"1000:3"`` -> (1000, 3): tasks per batch, rounds."""
+    tasks, _, rounds = spec.partition(":")
+    try:
+        sizes = int(tasks), int(rounds or 3)
+    except ValueError:
+        raise SystemExit(f"--tagged: {spec!r} is not TASKS[:ROUNDS] (integers)") from None
+    if min(sizes) < 1:
+        raise SystemExit(f"--tagged: {spec!r} needs TASKS and ROUNDS >= 1")
+    return sizes
+
+
+# The summary's keys each section measures: a run of some sections updates only those.
+SUMMARY_KEYS = {
+    "cube": ("speed_cube", "speed_cube_runner_1gpu_s"),
+    "tasks": ("per_task",),
+    "guard": ("guard_us",),
+    "leak": (
+        "leak_to_serving_s",
+        "leak_to_serving_p95_s",
+        "memory_free_s",
+        "cluster_start_s",
+        "first_task_s",
+    ),
+    "tagged": ("per_task_gpu_1000",),
+    "scaling": ("scaling_2gpu", "scaling_2gpu_raw_distributed", "scaling"),
+}
 
 
 def write(result: dict[str, Any], out: Path) -> None:
@@ -548,6 +589,7 @@ def write(result: dict[str, Any], out: Path) -> None:
         "memory_free_s": result.get("leak", {}).get("memory_free_s"),
         "cluster_start_s": result.get("leak", {}).get("cluster_start_s"),
         "first_task_s": result.get("leak", {}).get("first_task_s"),
+        "per_task_gpu_1000": result.get("per_task_gpu", {}).get("summary"),
         "scaling_2gpu": result.get("scaling", {}).get("scaling_2gpu"),
         "scaling_2gpu_raw_distributed": result.get("scaling", {}).get("raw_distributed_scaling_2gpu"),
         "scaling": {
@@ -561,12 +603,30 @@ def write(result: dict[str, Any], out: Path) -> None:
     }
     if result["device"].startswith("CPU only"):
         print("(CPU-only run: summary.json is kept for GPU figures)")
-    elif not {"speed_cube", "per_task", "guard", "leak"} <= result.keys():
-        print("(some sections only: summary.json is kept for the full run's figures)")
-    else:
+    elif {"speed_cube", "per_task", "guard", "leak"} <= result.keys():
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    else:
+        update_summary(out / "summary.json", summary, result["sections"])
     print_table(result)
     print(f"wrote {path}")
+
+
+def update_summary(path: Path, summary: dict[str, Any], sections: list[str]) -> None:
+    """A run of some sections on the device and date of the full run in ``path`` adds its
+    figures there, naming both runs; any other is kept out of it."""
+    try:
+        full = json.loads(path.read_text())
+    except FileNotFoundError:
+        full = {}
+    if (full.get("device"), full.get("date")) != (summary["device"], summary["date"]):
+        print("(some sections only: summary.json is kept for a full run's figures on this device and date)")
+        return
+    for section in sections:
+        full |= {key: summary[key] for key in SUMMARY_KEYS.get(section, ())}
+    sources = full["source"] if isinstance(full["source"], list) else [full["source"]]
+    full["source"] = [*sources, f"{summary['source']} ({','.join(sections)})"]
+    path.write_text(json.dumps(full, indent=2))
+    print(f"(summary.json: {','.join(sections)} added from this run)")
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -606,6 +666,14 @@ def print_table(result: dict[str, Any]) -> None:
         ("cluster start (s)", result.get("leak", {}).get("cluster_start_s")),
         ("then first trivial task (s)", result.get("leak", {}).get("first_task_s")),
     ]
+    if tagged := result.get("per_task_gpu"):
+        n, summary = tagged["tasks"], tagged["summary"]
+        rows += [
+            (f"{n} gpu-tagged tasks, SQLite server (s, median)", summary["sqlite_s"]),
+            ("… tagged / untagged, SQLite", summary["tagged_over_untagged_sqlite"]),
+            (f"{n} gpu-tagged tasks, PostgreSQL server (s, median)", summary["postgres_s"]),
+            ("… tagged / untagged, PostgreSQL", summary["tagged_over_untagged_postgres"]),
+        ]
     for section in sorted(key for key in result if key.startswith("scaling")):
         for k, v in result[section].items():
             if isinstance(v, dict):  # a spread: its median and the median inside the task

@@ -185,6 +185,9 @@ def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
     from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    # Prefect keys its events worker on the client type, not the API URL: one started for
+    # another server would carry this one's events, so each server gets a fresh one.
+    EventsWorker.drain_all()
     with prefect_server(database_url) as api, temporary_settings({PREFECT_API_URL: api}):
         yield api
-        EventsWorker.drain_all()  # this process's events reach this server, not the next
+        EventsWorker.drain_all()
