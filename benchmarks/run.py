@@ -275,6 +275,12 @@ def bench_guard(samples: int) -> dict[str, Any]:
         cupy.zeros(1)
     except ImportError:
         pass
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    # Timed in a quiet process: the sections before leave events and logs still being sent.
+    EventsWorker.drain_all()
+    APILogWorker.drain_all()
     guard = GPUMemoryGuard(RunnerSettings(health_check_s=None))  # health: timed on its own below
     asyncio.run(guard.setup(FakeWorker()))
     if not guard.active:

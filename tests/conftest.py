@@ -30,7 +30,30 @@ def has_gpu() -> bool:
         return False
 
 
+# The longest files first, unit tests last: xdist hands out whole files in collection
+# order (--dist loadfile --no-loadscope-reorder), so a long file never starts last.
+LONGEST_FIRST = (
+    "integration/test_guard_restarts.py",
+    "integration/test_reliability.py",
+    "integration/test_load.py",
+    "integration/test_runner.py",
+    "integration/test_restart_races.py",
+    "integration/test_ui_browser.py",
+    "integration/test_elastic.py",
+    "integration/test_postgres.py",
+    "integration/test_security.py",
+)
+
+
+def file_rank(item: pytest.Item) -> int:
+    path = Path(item.fspath).relative_to(ROOT / "tests").as_posix()
+    if path in LONGEST_FIRST:
+        return LONGEST_FIRST.index(path)
+    return len(LONGEST_FIRST) + path.startswith("unit/")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=file_rank)  # stable: each file keeps its own order
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy (none here)")

@@ -3,7 +3,8 @@
 with 500 GPU tasks.
 
 Sized for a 2-core CI box: Prefect's per-task engine and API traffic, not Dask, are the
-cost, so these tests ship no task logs to the API and keep their sleeps to 10-20 ms.
+cost, so these tests ship no task logs to the API, keep their sleeps to 10-20 ms, and
+report to a PostgreSQL-backed server where PostgreSQL is installed (SQLite elsewhere).
 """
 
 from __future__ import annotations
@@ -19,17 +20,29 @@ from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 from prefect_gpu_dask import GPUDaskTaskRunner
 from tests.conftest import DaskProcesses
 from tests.integration.test_reliability import max_concurrency
-from tests.servers import using_prefect_server
+from tests.servers import postgres_missing, postgres_server, using_prefect_server
 
 # -- 4. load ------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def load_database():
+    """PostgreSQL, Prefect's database for this load, where it is installed: on SQLite
+    every tagged task's slot request risks a "database is locked" 503 and a 2 s back-off
+    (docs/performance.md). Else None: the server's own SQLite."""
+    if postgres_missing() is not None:
+        yield None
+        return
+    with postgres_server() as database:
+        yield database
+
+
 @pytest.fixture(autouse=True)
-def own_prefect_api():
-    """A Prefect API server of this test's own: it spends a minute after a load test
+def own_prefect_api(load_database):
+    """A Prefect API server of this test's own: it spends a while after a load test
     recording its task runs' events, which must not slow the next flow run or the
     tests that share the session's server."""
-    with using_prefect_server():
+    with using_prefect_server(load_database):
         yield
 
 

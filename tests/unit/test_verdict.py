@@ -204,7 +204,8 @@ def started_guard(probe):
         def log_event(self, topic, msg):
             pass
 
-    guard = GPUMemoryGuard(RunnerSettings(memory_probe=lambda: probe))
+    # No health timer: it needs a real worker (tests/integration/test_quarantine.py).
+    guard = GPUMemoryGuard(RunnerSettings(memory_probe=lambda: probe, health_check_s=None))
     asyncio.run(guard.setup(Worker()))
     probe.calls.clear()
     return guard
@@ -429,7 +430,7 @@ def test_a_failed_task_is_judged_after_its_frames_let_go(tmp_path):
 
     import asyncio
 
-    guard = guard_module.GPUMemoryGuard(RunnerSettings(memory_probe=FakeDeviceProbe))
+    guard = guard_module.GPUMemoryGuard(RunnerSettings(memory_probe=FakeDeviceProbe, health_check_s=None))
     asyncio.run(guard.setup(Worker()))
 
     def failing_task():
