@@ -438,8 +438,8 @@ def main() -> None:
     parser.add_argument("--tasks", default="200,1000")
     parser.add_argument(
         "--tagged",
-        default="1000:3",
-        help="TASKS:ROUNDS for the tagged section (gpu-tagged vs untagged, SQLite and PostgreSQL)",
+        help="TASKS:ROUNDS for the tagged section (gpu-tagged vs untagged, SQLite and PostgreSQL);"
+        " default 1000:3, with --quick 100:1",
     )
     parser.add_argument(
         "--scaling-n",
@@ -455,7 +455,7 @@ def main() -> None:
     n, chunk = (100_000, 10_000) if gpu else (4_000, 1_000)
     # Bad input fails before anything runs.
     args.scaling_sizes = scaling_sizes(args.scaling_n, chunk)
-    args.tagged_tasks, args.tagged_rounds = tagged_size(args.tagged)
+    args.tagged_tasks, args.tagged_rounds = tagged_size(args.tagged or ("100:1" if args.quick else "1000:3"))
     sections = set(args.sections.split(","))
     if unknown := sections - SUMMARY_KEYS.keys():
         raise SystemExit(f"--sections: {','.join(sorted(unknown))} not among {','.join(SUMMARY_KEYS)}")

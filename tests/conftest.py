@@ -46,7 +46,7 @@ LONGEST_FIRST = (
 
 
 def file_rank(item: pytest.Item) -> int:
-    path = Path(item.fspath).relative_to(ROOT / "tests").as_posix()
+    path = item.path.relative_to(ROOT / "tests").as_posix()
     if path in LONGEST_FIRST:
         return LONGEST_FIRST.index(path)
     return len(LONGEST_FIRST) + path.startswith("unit/")
