@@ -21,9 +21,9 @@ if [ -f .pg/postgres.tar.xz ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/n
   # the pack; PostgreSQL refuses to run as root, so it runs as a 'postgres' user.
   pack=$(mktemp -d) && tar xJf .pg/postgres.tar.xz -C "$pack" &&
     cp -a "$pack"/usr/lib/postgresql /usr/lib/ && cp -a "$pack"/usr/share/postgresql /usr/share/ &&
-    mkdir -p /usr/local/lib/postgres-pack &&
+    mkdir -p /usr/local/lib/postgres-pack && known=$(ldconfig -p) &&
     for lib in "$pack"/pglibs/*; do
-      ldconfig -p | grep -q "^\s$(basename "$lib") " || cp "$lib" /usr/local/lib/postgres-pack/
+      grep -qF "$(basename "$lib") (" <<<"$known" || cp "$lib" /usr/local/lib/postgres-pack/
     done &&
     echo /usr/local/lib/postgres-pack > /etc/ld.so.conf.d/postgres-pack.conf && ldconfig
   [ -d /usr/share/zoneinfo ] || ln -s /tmp/site/tzdata/zoneinfo /usr/share/zoneinfo

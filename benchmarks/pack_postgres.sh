@@ -4,11 +4,11 @@
 # migrations create, and the shared libraries they link, but those any Debian or Ubuntu host
 # with Python has (glibc, libstdc++, OpenSSL, zlib, liblzma, libffi, and what apt and systemd
 # link: GnuTLS and its libraries, libgcrypt, libsystemd, zstd, lz4), to fit what travels. gpu_run.sh unpacks it
-# there (unpack_postgres below) when .pg is carried, so the benchmarks' PostgreSQL rounds run.
+# there when .pg is carried, so the benchmarks' PostgreSQL rounds run.
 #   bash benchmarks/pack_postgres.sh        # then carry [".whl", ".pg"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
+bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 || true)
 [ -n "$bin" ] || { echo "no /usr/lib/postgresql/*/bin here: apt-get install postgresql" >&2; exit 1; }
 version=$(basename "$(dirname "$bin")")
 lib=/usr/lib/postgresql/$version/lib
@@ -18,8 +18,9 @@ trap 'rm -rf "$stage"' EXIT
 
 programs=("$bin"/{postgres,initdb,pg_ctl,createdb})
 modules=("$lib"/{plpgsql,pg_trgm,dict_snowball,libpqwalreceiver,pgoutput}.so)
-data=($(find "$share" -type f -not -path "$share/extension/*") "$share"/extension/{plpgsql,pg_trgm}*)
-tar cf - "${programs[@]}" "${modules[@]}" "${data[@]}" 2>/dev/null | tar xf - -C "$stage"
+mapfile -d '' data < <(find "$share" -type f -not -path "$share/extension/*" -print0)
+data+=("$share"/extension/{plpgsql,pg_trgm}*)
+tar -cPf - "${programs[@]}" "${modules[@]}" "${data[@]}" | tar -xf - -C "$stage"
 mkdir -p "$stage/pglibs"
 ldd "${programs[@]}" "${modules[@]}" | awk '/=> \//{print $3}' | sort -u |
     grep -vE '/(libc|libm|libdl|libpthread|librt|libresolv|libstdc\+\+|libgcc_s|libssl|libcrypto|libz|liblzma|libffi)\.so' |

@@ -110,7 +110,8 @@ def runner_kwargs() -> dict[str, Any]:
 
 def compare(tasks: int, rounds: int) -> dict[str, Any]:
     """Tagged against untagged on SQLite and on PostgreSQL (skipped, saying why, without it)."""
-    from tests.servers import postgres_missing, postgres_server, using_prefect_server
+    from benchmarks.run import on_postgres
+    from tests.servers import using_prefect_server
 
     kwargs = runner_kwargs()
     result: dict[str, Any] = {
@@ -121,13 +122,11 @@ def compare(tasks: int, rounds: int) -> dict[str, Any]:
     print(f"sqlite ({tasks} tasks x {rounds} rounds)", flush=True)
     with using_prefect_server():
         result["sqlite"] = measure(tasks, rounds, kwargs)
-    if missing := postgres_missing():
-        result["postgres"] = {"skipped": missing}
-    else:
-        print("postgres", flush=True)
-        with postgres_server() as database, using_prefect_server(database):
-            result["postgres"] = measure(tasks, rounds, kwargs)
+    print("postgres", flush=True)
+    result["postgres"] = on_postgres(lambda: measure(tasks, rounds, kwargs))
     result["summary"] = {
+        "tasks": tasks,
+        "rounds": rounds,
         "sqlite_s": result["sqlite"]["tagged_median_s"],
         "postgres_s": result["postgres"].get("tagged_median_s"),
         "tagged_over_untagged_sqlite": result["sqlite"]["tagged_over_untagged"],

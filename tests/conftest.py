@@ -46,7 +46,10 @@ LONGEST_FIRST = (
 
 
 def file_rank(item: pytest.Item) -> int:
-    path = item.path.relative_to(ROOT / "tests").as_posix()
+    try:
+        path = item.path.resolve().relative_to(ROOT / "tests").as_posix()
+    except ValueError:  # collected from outside tests/
+        return len(LONGEST_FIRST)
     if path in LONGEST_FIRST:
         return LONGEST_FIRST.index(path)
     return len(LONGEST_FIRST) + path.startswith("unit/")

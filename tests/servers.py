@@ -189,5 +189,7 @@ def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
     # another server would carry this one's events, so each server gets a fresh one.
     EventsWorker.drain_all()
     with prefect_server(database_url) as api, temporary_settings({PREFECT_API_URL: api}):
-        yield api
-        EventsWorker.drain_all()
+        try:
+            yield api
+        finally:
+            EventsWorker.drain_all()

@@ -39,9 +39,9 @@ def load_database():
 
 @pytest.fixture(autouse=True)
 def own_prefect_api(load_database):
-    """A Prefect API server of this test's own: it spends a while after a load test
-    recording its task runs' events, which must not slow the next flow run or the
-    tests that share the session's server."""
+    """A Prefect API server of this test's own (on the module's one database): it spends
+    a while after a load test recording its task runs' events, which must not slow the
+    next flow run or the tests that share the session's server."""
     with using_prefect_server(load_database):
         yield
 
