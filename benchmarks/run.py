@@ -144,8 +144,6 @@ def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> 
 def on_postgres(measure: Any) -> Any:
     """``measure()`` with the runner reporting to ``prefect server start`` on PostgreSQL
     (the production set-up) instead of the embedded SQLite server; why not, if it cannot."""
-    from prefect.logging.handlers import APILogWorker
-
     from tests.servers import postgres_missing, postgres_server, using_prefect_server
 
     if (why := postgres_missing()) is not None:
@@ -156,9 +154,7 @@ def on_postgres(measure: Any) -> Any:
             servers.enter_context(using_prefect_server(database))
         except (subprocess.CalledProcessError, RuntimeError) as exc:
             return {"skipped": f"PostgreSQL or its Prefect server did not start: {exc}"}
-        result = measure()
-        APILogWorker.drain_all(timeout=10)  # the logs go to this server before it stops
-        return result
+        return measure()
 
 
 def cube_through_runner(

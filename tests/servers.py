@@ -181,8 +181,10 @@ def prefect_server(database_url: str | None = None, timeout: float = 180) -> Ite
 
 @contextlib.contextmanager
 def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
-    """A ``prefect_server`` that this process's flows use, through the settings context."""
+    """A ``prefect_server`` that this process's flows use, through the settings context;
+    their events and logs reach it before it stops."""
     from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     # Prefect keys its events worker on the client type, not the API URL: one started for
@@ -193,3 +195,4 @@ def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
             yield api
         finally:
             EventsWorker.drain_all()
+            APILogWorker.drain_all()
