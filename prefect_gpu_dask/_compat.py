@@ -51,6 +51,23 @@ def reschedule(dask_scheduler: Any, key: str, worker: str, stimulus_id: str) -> 
     dask_scheduler._reschedule(key, worker, stimulus_id=stimulus_id)
 
 
+def spec_cluster_of(dask_scheduler: Any) -> Any:
+    """The ``SpecCluster`` (``LocalCluster``, ``LocalCUDACluster``) whose scheduler this
+    is, when it lives in the scheduler's process; else None.
+
+    Needed because such a cluster may close a restarting worker's nanny (see
+    ``recycling.scheduler.replacements``). Public replacement: a scheduler-side hook to
+    reach the cluster that owns it, or a ``SpecCluster`` that cancels the lost-worker
+    timer of a name once a worker of that name registers again.
+    """
+    from distributed.deploy.spec import SpecCluster
+
+    for cluster in list(SpecCluster._instances):
+        if getattr(cluster, "scheduler", None) is dask_scheduler:
+            return cluster
+    return None
+
+
 def bytes_sent(comm: Any) -> int | None:
     """Bytes a ``BatchedSend`` has written, or None where it keeps no count.
 

@@ -177,6 +177,9 @@ class GPUQuarantine:
         return cls(**values)
 
 
+REPLACED, LOST = "replaced", "lost"
+
+
 @dataclass(frozen=True)
 class RestartRecord:
     """One worker (or cluster) restart the runner carried out, and why."""
@@ -202,6 +205,14 @@ class RestartRecord:
     # request -> the replacement found the old process's GPU memory released: an upper
     # bound (it looks once it has started), None where no NVML probe could look.
     memory_free_s: float | None = None
+    # "replaced": a worker of the same name serves again; "lost": none came back (why in
+    # ``lost_reason``): its GPU has no worker until one joins.
+    outcome: str = REPLACED
+    lost_reason: str | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self.outcome == LOST
 
     def to_payload(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,7 +31,7 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.records import RestartRecord, TaskRecord, format_bytes
+from prefect_gpu_dask.records import LOST, REPLACED, RestartRecord, TaskRecord, format_bytes
 from prefect_gpu_dask.recycling import scheduler as on_scheduler
 from prefect_gpu_dask.recycling import worker as on_worker
 from prefect_gpu_dask.routing import scheduler_identity
@@ -202,23 +202,38 @@ class Recycler:
         for address in targets:
             self._stuck.pop(address, None)
         restart_s = time.perf_counter() - requested
-        # The scheduler's answer per worker: "OK", or "timed out", "removed", an error.
-        if failed := {a: r for a, r in answer.get("result", {}).items() if r != "OK"}:
-            self.logger.warning("The restart of %s answered %s", ", ".join(failed), failed)
+        outcomes: dict[str, dict[str, Any]] = answer.get("result", {})
+        outcome = outcomes.get(request.worker, on_scheduler.lost("the scheduler did not restart it"))
+        for address, other in outcomes.items():
+            if other["outcome"] == LOST and address != request.worker:
+                self.logger.error("Restarting %s lost it: %s", address, other["why"])
+        if outcome.get("reopened"):
+            self.logger.info(
+                "The cluster of %s closed its nanny mid-restart; started it again", request.worker
+            )
         safe_point_s = None if self._safe_at is None else self._safe_at - requested
-        record = self._record(request, restart_s, requested, requested_wall, safe_point_s)
+        record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s)
         self._restarts.append(record)
-        free_s = record.memory_free_s
-        memory_free = "" if free_s is None else f"memory free after {free_s:.2f} s, "
-        self.logger.warning(
-            "Restarted %s (%s) -> %s: %sreplacement serving after %.2f s, GPU memory now %s",
-            record.worker,
-            record.reason,
-            record.new_worker,
-            memory_free,
-            record.serving_s,
-            "unknown" if record.memory_after is None else format_bytes(record.memory_after),
-        )
+        if record.lost:
+            self.logger.error(
+                "Restarted %s (%s) -> lost: %s. Its work goes to the other workers; gpu task runs "
+                "nobody can serve wait for a GPU worker as on_missing_gpu says",
+                record.worker,
+                record.reason,
+                record.lost_reason,
+            )
+        else:
+            free_s = record.memory_free_s
+            memory_free = "" if free_s is None else f"memory free after {free_s:.2f} s, "
+            self.logger.warning(
+                "Restarted %s (%s) -> %s: %sreplacement serving after %.2f s, GPU memory now %s",
+                record.worker,
+                record.reason,
+                record.new_worker,
+                memory_free,
+                record.serving_s,
+                "unknown" if record.memory_after is None else format_bytes(record.memory_after),
+            )
         self.on_restart(record)
 
     def _try_workers(self, targets: list[str]) -> dict[str, Any]:
@@ -284,29 +299,32 @@ class Recycler:
     def _record(
         self,
         request: _Request,
+        outcome: dict[str, Any],
         restart_s: float,
         requested: float,
         requested_wall: float,
         safe_point_s: float | None,
     ) -> RestartRecord:
-        """Find the replacement worker and read its GPU memory (its guard waited for release)."""
+        """Read the replacement's GPU memory (its guard waited for release), or say why there is none."""
         source = request.record
-        replacement: dict[str, Any] = {}
-        name = request.worker_name
-        states = self.client.run(on_worker.replacement_state, self.guard_name, on_error="return")
-        for address, state in states.items():
-            if isinstance(state, dict) and name is not None and state["name"] == name:
+        replacement: dict[str, Any] = {"outcome": LOST, "lost_reason": outcome.get("why")}
+        if outcome["outcome"] == REPLACED:
+            address = outcome["address"]
+            replacement = {"outcome": REPLACED, "new_worker": address}
+            states = self.client.run(
+                on_worker.replacement_state, self.guard_name, workers=[address], on_error="return"
+            )
+            if isinstance(state := states.get(address), dict):
                 released = state.get("released_at")
-                replacement = {
-                    "new_worker": address,
-                    "new_pid": state["pid"],
-                    "memory_after": state["now"],
-                    "baseline": state["baseline"],
-                    "memory_free_s": None if released is None else round(released - requested_wall, 3),
-                }
+                replacement.update(
+                    new_pid=state["pid"],
+                    memory_after=state["now"],
+                    baseline=state["baseline"],
+                    memory_free_s=None if released is None else round(released - requested_wall, 3),
+                )
         return RestartRecord(
             worker=request.worker,
-            worker_name=name or request.worker,
+            worker_name=request.worker_name or request.worker,
             reason=request.reason,
             policy=self.policy,
             gpu_index=source.gpu_index if source else None,

@@ -7,12 +7,14 @@ Functions here run on the scheduler through ``client.run_on_scheduler`` (which p
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.records import LOST, REPLACED
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
@@ -122,7 +124,11 @@ async def restart_if_safe(
     dask_scheduler: Any = None,
 ) -> dict[str, Any]:
     """Restart ``addresses`` now if nothing would be lost; ``stuck``: hung tasks that
-    may still run there (they die with the process, and are not run again)."""
+    may still run there (they die with the process, and are not run again).
+
+    Answers, per worker, ``{"outcome": REPLACED, "address": ...}`` once a worker of
+    the same name serves again, or ``{"outcome": "lost", "why": ...}``.
+    """
     if (found := blockers(addresses, whole_cluster, stuck, dask_scheduler))["reasons"]:
         return {"status": "busy", "blockers": found["reasons"]}
     addresses = [a for a in addresses if a in dask_scheduler.workers]
@@ -132,17 +138,83 @@ async def restart_if_safe(
     ):
         return {"status": "busy", "blockers": ["a task was assigned meanwhile"]}
     stimulus = f"prefect-gpu-dask-restart-{time.time()}"
+    old = {address: dask_scheduler.workers[address] for address in addresses}
     for address in addresses:
         # Paused workers get no new tasks between this check and the restart.
         dask_scheduler.handle_worker_status_change("paused", address, stimulus)
     if whole_cluster:
         # What client.restart() does: forget every task, restart every worker.
-        await dask_scheduler.restart(timeout=timeout, stimulus_id=stimulus)
-        return {"status": "restarted", "result": {a: "OK" for a in addresses}}
-    result = await dask_scheduler.restart_workers(
-        addresses, timeout=timeout, stimulus_id=stimulus, on_error="return"
-    )
-    return {"status": "restarted", "result": {k: str(v) for k, v in result.items()}}
+        await dask_scheduler.restart(timeout=timeout, stimulus_id=stimulus, wait_for_workers=False)
+        answers = {address: "OK" for address in addresses}
+    else:
+        answers = await dask_scheduler.restart_workers(
+            addresses, timeout=timeout, stimulus_id=stimulus, on_error="return", wait_for_workers=False
+        )
+    return {"status": "restarted", "result": await replacements(old, answers, timeout, dask_scheduler)}
+
+
+async def replacements(
+    old: dict[str, Any], answers: dict[str, str], timeout: float, dask_scheduler: Any
+) -> dict[str, dict[str, Any]]:
+    """Wait for a worker of each restarted worker's name to register again.
+
+    Counting workers, as ``restart_workers`` does, would take an unrelated worker that
+    joins for the replacement and miss one that never comes back. A ``SpecCluster``
+    (``LocalCluster``, ``LocalCUDACluster``) closes the nanny of a worker that is
+    absent when the lost-worker timer of an earlier removal of the same name fires
+    (``distributed.deploy.lost-worker-timeout`` after it): a restart in that window
+    would lose the worker for good. The cluster still lists it in ``worker_spec``, so
+    it is started again through ``scale``, and only a worker of the cluster's current
+    nanny counts as the replacement.
+    """
+    outcome: dict[str, dict[str, Any]] = {}
+    waiting: dict[str, Any] = {}
+    for address, ws in old.items():
+        answer = str(answers.get(address, "removed"))
+        if answer == "OK":
+            waiting[address] = ws
+        elif answer == "removed":
+            outcome[address] = lost("it has no nanny: it was shut down, not restarted")
+        else:
+            outcome[address] = lost(f"its nanny did not restart it ({answer})")
+    cluster = _compat.spec_cluster_of(dask_scheduler)
+    reopened: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while waiting:
+        for address, ws in list(waiting.items()):
+            if cluster is not None and _closed_by_cluster(cluster, ws.name):
+                reopened.add(address)
+                cluster.scale(len(cluster.worker_spec))  # starts every listed worker that is missing
+                continue
+            new = next((w for w in dask_scheduler.workers.values() if _replaces(w, ws, cluster)), None)
+            if new is not None:
+                reopened_now = address in reopened
+                outcome[address] = {"outcome": REPLACED, "address": new.address, "reopened": reopened_now}
+                del waiting[address]
+        if not waiting or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    for address, ws in waiting.items():
+        closed = " (its cluster had closed its nanny)" if address in reopened else ""
+        outcome[address] = lost(f"no worker named {ws.name!r} registered within {timeout:g} s{closed}")
+    return outcome
+
+
+def _closed_by_cluster(cluster: Any, name: Any) -> bool:
+    return name in cluster.worker_spec and name not in cluster.workers and cluster.status.name == "running"
+
+
+def _replaces(candidate: Any, old: Any, cluster: Any) -> bool:
+    if candidate is old or candidate.name != old.name:
+        return False
+    if cluster is None:
+        return True
+    current = cluster.workers.get(old.name)  # the nanny (or in-process worker) it now runs
+    return current is not None and getattr(current, "address", None) in (candidate.nanny, candidate.address)
+
+
+def lost(why: str) -> dict[str, Any]:
+    return {"outcome": LOST, "why": why}
 
 
 def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -> None:
