@@ -6,7 +6,7 @@ on a Prefect server backed by SQLite and by PostgreSQL.
 
 Both servers are ``prefect server start`` on 127.0.0.1 (the same server code the embedded
 one runs), one on SQLite in a temp dir and one on Debian's PostgreSQL, started here on
-127.0.0.1 (``tests/servers.py``). The Dask cluster is the runner's: one worker per GPU
+127.0.0.1 (``benchmarks/servers.py``). The Dask cluster is the runner's: one worker per GPU
 where there are GPUs, else one CPU worker labelled ``GPU=1``. Each round times submit to
 last result, alternating tagged and untagged, after a warm-up; between rounds the
 server is let catch up on the previous round's events (timed as ``catch_up_s``).
@@ -111,7 +111,7 @@ def runner_kwargs() -> dict[str, Any]:
 def compare(tasks: int, rounds: int) -> dict[str, Any]:
     """Tagged against untagged on SQLite and on PostgreSQL (skipped, saying why, without it)."""
     from benchmarks.run import on_postgres
-    from tests.servers import using_prefect_server
+    from benchmarks.servers import using_prefect_server
 
     kwargs = runner_kwargs()
     result: dict[str, Any] = {

@@ -30,7 +30,7 @@ import dask.array as da
 from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # benchmarks.* and tests.servers (the test suite's servers)
+sys.path.insert(0, str(ROOT))  # benchmarks.* when run as a script
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 RESULTS = ROOT / "benchmarks" / "results"
 WARM_TASKS = 64  # at least every thread of every worker on the machines we measure
@@ -144,7 +144,7 @@ def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> 
 def on_postgres(measure: Any) -> Any:
     """``measure()`` with the runner reporting to ``prefect server start`` on PostgreSQL
     (the production set-up) instead of the embedded SQLite server; why not, if it cannot."""
-    from tests.servers import postgres_missing, postgres_server, using_prefect_server
+    from benchmarks.servers import postgres_missing, postgres_server, using_prefect_server
 
     if (why := postgres_missing()) is not None:
         return {"skipped": why}
