@@ -17,7 +17,7 @@ N, CHUNK, ROUNDS = 100_000, 10_000, 7
 
 def variants_in_worker():
     import dask
-    from run import check_cube, speed_cube_expr
+    from common import check_cube, speed_cube_expr
 
     from prefect_gpu_dask import compute_on_gpus
     from prefect_gpu_dask.guard import current_guard
@@ -59,9 +59,9 @@ def variants_in_worker():
 
 
 def main():
+    from common import check_cube, speed_cube_expr
     from dask_cuda import LocalCUDACluster
     from distributed import Client
-    from run import check_cube, speed_cube_expr
 
     from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
     from prefect_gpu_dask.guard import GPUMemoryGuard

@@ -24,7 +24,7 @@ def gnoop():
 
 @task(tags=["gpu"])
 def cube():
-    from run import check_cube, speed_cube_expr
+    from common import check_cube, speed_cube_expr
 
     s = time.perf_counter()
     check_cube(compute_on_gpus(speed_cube_expr(100_000, 10_000, True))[0])
@@ -57,7 +57,7 @@ def main():
         f"(median overhead {sorted(t - i for t, i in rows)[len(rows) // 2] * 1e3:.1f} ms)",
         flush=True,
     )
-    from run import check_cube, speed_cube_expr
+    from common import check_cube, speed_cube_expr
 
     ts = []
     for _ in range(4):

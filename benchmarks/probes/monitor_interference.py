@@ -20,7 +20,7 @@ N, CHUNK, ROUNDS = 100_000, 10_000, 15
 
 def main() -> None:
     import cupy
-    from run import check_cube, p95, speed_cube_expr
+    from common import check_cube, p95, speed_cube_expr
 
     from prefect_gpu_dask.activity import ActivityWatch
     from prefect_gpu_dask.guard import PeakSampler

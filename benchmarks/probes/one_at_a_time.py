@@ -103,7 +103,7 @@ def both(database: str, output: ServerOutput) -> None:
 if __name__ == "__main__":
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.servers import postgres_missing, postgres_server, prefect_server
+    from benchmarks.servers import postgres_missing, postgres_server, prefect_server
 
     output = ServerOutput()
     with prefect_test_harness(server_startup_timeout=120):

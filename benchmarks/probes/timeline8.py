@@ -41,11 +41,11 @@ def timeline(n, chunk, variant):
     import cloudpickle
     import dask
     import distributed
+    from common import check_cube, speed_cube_expr
     from dask._expr import FinalizeCompute
     from dask._task_spec import DataNode
     from dask.base import collections_to_expr, unpack_collections
     from dask.core import flatten
-    from run import check_cube, speed_cube_expr
 
     from prefect_gpu_dask.compute import TASKS_BASED, _threads, split_graph
     from prefect_gpu_dask.routing import gpu_workers as _gpu_workers

@@ -1,0 +1,102 @@
+"""What the benchmark sections (and the probes) share: timing, the speed-cube, the host."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+WARM_TASKS = 64  # at least every thread of every worker on the machines we measure
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``run.py``'s command line asks of the sections."""
+
+    gpu: bool  # a GPU run: full-size figures; else the CPU-sized ones
+    n: int  # the speed-cube's side
+    chunk: int  # and its chunks' side
+    repeat: int
+    tasks: tuple[int, ...]  # batch sizes of the per-task section
+    tagged_tasks: int
+    tagged_rounds: int
+    scaling_sizes: tuple[tuple[int, int], ...]  # (side, chunk side) for the scaling section
+
+
+def runs_of(fn, repeat: int) -> list[float]:
+    fn()  # warm-up: imports, kernels, pools
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_of(fn, repeat: int) -> float:
+    return statistics.median(runs_of(fn, repeat))
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    median = statistics.median(values)
+    return {
+        "median_s": median,
+        "p95_s": p95(values),
+        "p95_over_median": p95(values) / median,
+        "max_s": max(values),
+        "runs": len(values),
+        "runs_s": [round(v, 4) for v in values],
+    }
+
+
+def device_name() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        count = pynvml.nvmlDeviceGetCount()
+        name = name.decode() if isinstance(name, bytes) else name
+        return f"{count}x {name}" if count > 1 else name
+    except Exception:
+        return f"CPU only ({os.cpu_count()} cores)"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("prefect", "prefect_dask", "dask", "distributed", "dask_cuda", "cupy"):
+        try:
+            module = __import__(name)
+            out[name] = getattr(module, "__version__", "?")
+        except Exception:
+            pass
+    return out
+
+
+def speed_cube_expr(n: int, chunk: int, gpu: bool):
+    """The seed's speed-cube: mean of x[::2, ::2] + 1 for x ~ N(10, 1); about 11."""
+    import dask.array as da
+
+    if gpu:
+        import cupy
+
+        rs = da.random.RandomState(RandomState=cupy.random.RandomState)
+    else:
+        rs = da.random.RandomState()
+    x = rs.normal(10, 1, size=(n, n), chunks=(chunk, chunk))
+    return (x[::2, ::2] + 1).mean()
+
+
+def check_cube(value: Any) -> float:
+    value = float(value)
+    assert abs(value - 11) < 0.01, f"speed-cube mean {value} is not ~11"
+    return value

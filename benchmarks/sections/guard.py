@@ -1,0 +1,91 @@
+"""guard: the guard's ``begin()`` + ``end()`` around an empty task with the real NVML probe,
+each of its readings on its own, and the health check, in a quiet process."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from benchmarks.common import Options, runs_of
+
+SAMPLES = 2000
+
+
+def run(options: Options) -> Iterator[tuple[str, Any]]:
+    yield "guard", bench_guard(SAMPLES)
+
+
+def bench_guard(samples: int) -> dict[str, Any]:
+    """begin()+end() of the guard around an empty task, with the real NVML probe."""
+    import asyncio
+
+    from prefect_gpu_dask.guard import GPUMemoryGuard
+    from prefect_gpu_dask.health import HealthMonitor
+    from prefect_gpu_dask.settings import RunnerSettings
+
+    class FakeWorker:
+        address, name = "bench", "bench"
+
+        def log_event(self, topic, msg):
+            pass
+
+    try:  # a GPU task's worker has CuPy loaded: the guard then reads its pool too
+        import cupy
+
+        cupy.zeros(1)
+    except ImportError:
+        pass
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    # Timed in a quiet process: the sections before leave events and logs still being sent.
+    EventsWorker.drain_all()
+    APILogWorker.drain_all()
+    guard = GPUMemoryGuard(RunnerSettings(health_check_s=None))  # health: timed on its own below
+    asyncio.run(guard.setup(FakeWorker()))
+    if not guard.active:
+        return {"guard_us": None, "note": "no GPU: the guard is a no-op"}
+    health = HealthMonitor(guard.probe.health_reader())
+    checks = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        health.check()
+        checks.append(time.perf_counter() - start)
+    costs = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        ticket, before, started = guard.begin()
+        guard.end(ticket, before, started)
+        costs.append(time.perf_counter() - start)
+    activity = []  # of the guard's cost: the task thread's utilisation/energy/temperature part
+    watch = guard._activity
+    for ticket in range(samples if watch is not None else 0):
+        start = time.perf_counter()
+        watch.start(-1 - ticket)
+        watch.stop(-1 - ticket)
+        activity.append(time.perf_counter() - start)
+    sampler = guard._sampler
+
+    def peak_sampler_start_stop() -> None:
+        sampler.start(-1, 0)
+        sampler.stop(-1, 0)
+
+    parts = {  # each reading and step of begin()+end() on its own
+        "process_read": guard._read_process,
+        "allocators_read": guard._read_allocators,
+        "device_and_process_read": guard.probe.sample,
+        "peak_sampler_start_stop": peak_sampler_start_stop,
+    }
+    parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}
+    return {
+        "guard_us": statistics.median(costs) * 1e6,
+        "nvml_sample_us": parts_us["device_and_process_read"],  # one full probe read
+        "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
+        "health_check_us": statistics.median(checks) * 1e6,  # before each gpu task, and on a timer
+        "activity_us": statistics.median(activity) * 1e6 if activity else None,
+        "parts_us": parts_us,
+        "health_limits": list(health.limits),
+        "samples": samples,
+    }
