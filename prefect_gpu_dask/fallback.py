@@ -78,14 +78,50 @@ def release(dask_scheduler: Any, keys: list[str]) -> list[str]:
     return drop_resource_restrictions(dask_scheduler, keys, f"gpu-wait-over-{time.time()}")
 
 
+def stranded(dask_scheduler: Any, keys: list[str]) -> dict[str, Any]:
+    """Which of ``keys`` no worker can start: waiting for resources nobody offers, or
+    for any worker at all; and whether any worker is running."""
+    running = bool(dask_scheduler.running)
+    tasks = {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and (ts.state == "no-worker" or (ts.state == "queued" and not running)):
+            tasks[key] = dict(ts.resource_restrictions or {})
+    return {"tasks": tasks, "workers": running}
+
+
+def fail(dask_scheduler: Any, keys: list[str], message: str) -> list[str]:
+    """Fail ``keys`` still waiting for a worker with ``MissingResourceError(message)``;
+    what depends on them fails with them, as after Dask's own no-workers timeout."""
+    from distributed.protocol import pickle
+
+    stimulus_id = f"prefect-gpu-dask-stranded-{time.time()}"
+    failed, recommendations = [], {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None or ts.state not in ("no-worker", "queued"):
+            continue
+        error = pickle.dumps(MissingResourceError(message))
+        recommendations.update(
+            dask_scheduler.transition(key, "erred", exception=error, cause=key, stimulus_id=stimulus_id)
+        )
+        failed.append(key)
+    dask_scheduler.transitions(recommendations, stimulus_id)
+    return failed
+
+
 # -- flow ------------------------------------------------------------------------------
 
 
 class ResourceWait:
-    """Deadlines of tasks submitted while no worker offered their resources.
+    """Deadlines of tasks that no worker can start yet.
 
-    One daemon thread, started with the first waiting task, sleeps until the next
-    deadline; the flow's submit never blocks on it.
+    Two kinds wait: tasks submitted while no worker offered their resources (``add``),
+    and a flow's unfinished tasks after a worker was lost (``strand``), which may wait
+    for any worker at all. At the deadline those still waiting get ``on_missing``:
+    ``"cpu"`` runs them without their resources where a worker is left; otherwise they
+    fail with ``MissingResourceError``. One daemon thread, started with the first
+    waiting task, sleeps until the next deadline; the flow's submit never blocks on it.
     """
 
     def __init__(self, client: Any, offers: WorkerOffers, logger: Any, on_missing: str):
@@ -93,15 +129,25 @@ class ResourceWait:
         self._offers = offers
         self._logger = logger
         self._on_missing = on_missing
-        self._waiting: dict[str, tuple[float, Resources, float]] = {}  # key -> deadline, asked, wait
+        # key -> deadline, resources asked (None: whatever the scheduler holds), wait
+        self._waiting: dict[str, tuple[float, Resources | None, float]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
 
     def add(self, key: str, resources: Mapping[str, float], wait_s: float) -> None:
+        self._watch({key: dict(resources)}, wait_s)
+
+    def strand(self, keys: list[str], wait_s: float) -> None:
+        """Give ``keys`` (unfinished tasks that a lost worker may leave with nowhere to
+        run) ``wait_s`` for a worker that can start them."""
+        self._watch(dict.fromkeys(keys), wait_s)
+
+    def _watch(self, keys: Mapping[str, Resources | None], wait_s: float) -> None:
         with self._lock:
-            self._waiting[key] = (time.monotonic() + wait_s, dict(resources), wait_s)
+            for key, resources in keys.items():
+                self._waiting[key] = (time.monotonic() + wait_s, resources, wait_s)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="gpu-wait", daemon=True)
                 self._thread.start()
@@ -138,14 +184,19 @@ class ResourceWait:
         if not due:
             return
         offered = self._offers.refresh()
-        stranded = {k: v for k, v in due.items() if not satisfiable(v[1], offered)}
-        if not stranded:
-            return
-        released = self._client.run_on_scheduler(release, keys=list(stranded))
+        asked = {k: v for k, v in due.items() if v[1] is not None and not satisfiable(v[1], offered)}
+        if asked:
+            self._release(asked)
+        unknown = [k for k, v in due.items() if v[1] is None]
+        if unknown:
+            self._settle(unknown, max(due[k][2] for k in unknown))
+
+    def _release(self, stranded_: dict[str, tuple[float, Resources | None, float]]) -> None:
+        released = self._client.run_on_scheduler(release, keys=list(stranded_))
         if not released:
             return
-        asked = {str(stranded[k][1]) for k in released}
-        wait_s = max(stranded[k][2] for k in released)
+        asked = {str(stranded_[k][1]) for k in released}
+        wait_s = max(stranded_[k][2] for k in released)
         self._logger.warning(
             "No worker offering %s joined within %g s: %d task run(s) now go where they can "
             "(on_missing_gpu=%r)",
@@ -154,3 +205,33 @@ class ResourceWait:
             len(released),
             self._on_missing,
         )
+
+    def _settle(self, keys: list[str], wait_s: float) -> None:
+        found = self._client.run_on_scheduler(stranded, keys=keys)
+        tasks: dict[str, Resources] = found["tasks"]
+        if not tasks:
+            return
+        if found["workers"] and self._on_missing == "cpu":
+            runnable = [k for k, resources in tasks.items() if resources]
+            released = self._client.run_on_scheduler(release, keys=runnable) if runnable else []
+            if released:
+                self._logger.warning(
+                    "A lost worker left %d task run(s) that no worker offering their resources "
+                    "could take within %g s: they now go where they can (on_missing_gpu='cpu')",
+                    len(released),
+                    wait_s,
+                )
+            tasks = {k: v for k, v in tasks.items() if k not in released}
+            if not tasks:
+                return
+        if found["workers"]:
+            asked = " or ".join(sorted({str(v) for v in tasks.values() if v})) or "their resources"
+            message = (
+                f"No worker offering {asked} is left in the cluster, and none joined within "
+                f"{wait_s:g} s (on_missing_gpu={self._on_missing!r})"
+            )
+        else:
+            message = f"No Dask worker is left in the cluster, and none joined within {wait_s:g} s"
+        failed = self._client.run_on_scheduler(fail, keys=list(tasks), message=message)
+        if failed:
+            self._logger.error("%s: %d task run(s) fail", message, len(failed))

@@ -3,7 +3,9 @@
 The records come from the table artifacts the runner publishes (one per task run as
 each task finishes, and the flow-wide table at flow end), so a flow run that crashed
 still has the records of every task that finished; the restarts come from the
-``prefect-gpu-dask.worker.restarted`` events related to the flow run. No runner,
+``gpu-restarts`` table the runner publishes before the flow run returns, and from the
+``prefect-gpu-dask.worker.restarted`` events related to the flow run (which a crashed
+flow run still sent, but which the API may store a few seconds after the run ends). No runner,
 cluster or GPU is needed to read them: any process that reaches the API can.
 
 Example:
@@ -27,7 +29,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect_gpu_dask.records import LEAK, RestartRecord, TaskRecord
-from prefect_gpu_dask.reporting import RESTART_EVENT, TABLE_KEY, TASK_TABLE_DESCRIPTION
+from prefect_gpu_dask.reporting import RESTART_EVENT, RESTARTS_KEY, TABLE_KEY, TASK_TABLE_DESCRIPTION
 
 PAGE = 200  # the API's default page limit for artifacts
 EVENTS_PAGE = 50  # and its most events per page
@@ -71,14 +73,17 @@ def _records(artifacts: Iterable[Any]) -> tuple[TaskRecord, ...]:
     return tuple(sorted(seen.values(), key=lambda r: r.time))
 
 
-def _restarts(events: Iterable[Any]) -> tuple[RestartRecord, ...]:
-    restarts = []
-    for event in sorted((e for e in events if e.event == RESTART_EVENT), key=lambda e: e.occurred):
+def _restarts(artifacts: Iterable[Any], events: Iterable[Any]) -> tuple[RestartRecord, ...]:
+    payloads = [row for a in artifacts if a.key == RESTARTS_KEY for row in _rows(a.data)]
+    payloads += [e.payload for e in events if e.event == RESTART_EVENT]
+    seen: dict[tuple[Any, ...], RestartRecord] = {}  # each restart is in the table and an event
+    for payload in payloads:
         try:
-            restarts.append(RestartRecord.from_payload(event.payload))
+            restart = RestartRecord.from_payload(payload)
         except (TypeError, ValueError):
             continue
-    return tuple(restarts)
+        seen[(restart.worker, restart.requested_at)] = restart
+    return tuple(sorted(seen.values(), key=lambda r: r.requested_at))
 
 
 def _filters(flow_run_id: str) -> tuple[Any, Any]:
@@ -125,4 +130,4 @@ async def aread_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport
         while events_page.next_page is not None:
             events_page = await client.read_events_page(str(events_page.next_page))
             events += events_page.events
-    return FlowRunGPUReport(flow_run_id, _records(artifacts), _restarts(events))
+    return FlowRunGPUReport(flow_run_id, _records(artifacts), _restarts(artifacts, events))

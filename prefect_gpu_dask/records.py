@@ -209,6 +209,7 @@ class RestartRecord:
     # ``lost_reason``): its GPU has no worker until one joins.
     outcome: str = REPLACED
     lost_reason: str | None = None
+    requested_at: float = 0.0  # Unix time the restart was asked for
 
     @property
     def lost(self) -> bool:

@@ -31,6 +31,7 @@ from prefect_gpu_dask.records import (
 
 TABLE_KEY = "gpu-memory"
 SUMMARY_KEY = "gpu-memory-summary"
+RESTARTS_KEY = "gpu-restarts"
 LEAK_EVENT = "prefect-gpu-dask.leak.detected"
 RESTART_EVENT = "prefect-gpu-dask.worker.restarted"
 UNHEALTHY_EVENT = "prefect-gpu-dask.gpu.unhealthy"
@@ -301,3 +302,11 @@ def publish_artifacts(
             description="GPUs used, leaks, restarts, quarantined GPUs (prefect-gpu-dask)",
             flow_run_id=flow_run_id,
         ).create(_sync=True)
+        if restarts:
+            # Readable as soon as the flow run returns; the restart events reach the API later.
+            TableArtifact(
+                key=RESTARTS_KEY,
+                table=[restart.to_payload() for restart in restarts],
+                description="Worker restarts (prefect-gpu-dask)",
+                flow_run_id=flow_run_id,
+            ).create(_sync=True)

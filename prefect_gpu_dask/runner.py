@@ -300,7 +300,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 self.settings.restart,
                 guard_name=PLUGIN_NAME,
                 logger=self.logger,
-                on_restart=reporting.emit_restart_event,
+                on_restart=self._on_restart,
             )
             self._flow_context = contextvars.copy_context()
             self._watch_worker_deaths(client)
@@ -468,6 +468,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._live.publish(record)
         if record.restart_reason:
             self._recycler.request(record.worker, record.restart_reason, record)
+
+    def _on_restart(self, restart: RestartRecord) -> None:
+        reporting.emit_restart_event(restart)
+        if restart.lost:  # what waited for that worker may have nowhere left to run
+            wait_s = self.settings.gpu_wait_s if self._can_grow else 0.0
+            self._resource_wait.strand(self._recycler.unfinished_keys(), wait_s)
 
     def _on_unhealthy(self, event: tuple[float, dict[str, Any]]) -> None:
         quarantine = GPUQuarantine.from_event(event[1])

@@ -287,7 +287,12 @@ class Recycler:
     def _unfinished(self) -> int:
         """The flow's futures whose results the client has not seen yet: the scheduler
         cannot see submissions still on their way."""
-        return sum(not is_moved(f) and not f.wrapped_future.done() for f in list(self._futures.values()))
+        return len(self.unfinished_keys())
+
+    def unfinished_keys(self) -> list[str]:
+        return [
+            key for key, f in list(self._futures.items()) if not is_moved(f) and not f.wrapped_future.done()
+        ]
 
     def _move_results(self, keys: Iterable[str]) -> None:
         """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
@@ -337,6 +342,7 @@ class Recycler:
             safe_point_s=None if safe_point_s is None else round(safe_point_s, 3),
             restart_s=round(restart_s, 3),
             serving_s=round(time.perf_counter() - requested, 3),
+            requested_at=requested_wall,
             **replacement,
         )
 

@@ -1,0 +1,102 @@
+"""A recycle that cannot bring its worker back: on real nanny-managed Dask processes.
+
+A ``SpecCluster`` (``LocalCluster``, ``LocalCUDACluster``) closes the nanny of a worker
+that is absent when the lost-worker timer of an earlier removal of its name fires,
+even while that nanny is restarting it. With the timer shortened, every recycle lands
+in that window: the worker must come back all the same. Where a worker truly cannot
+come back (no nanny), the restart says so and the flow run ends instead of waiting.
+"""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+from prefect import flow, task
+
+from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, read_flow_run_gpu_report
+from prefect_gpu_dask.records import LOST, REPLACED
+from tests.scripted_probe import FAKE_PROBE, leak
+
+MiB = 2**20
+
+
+@task(tags=["gpu"])
+def short(i: int) -> int:
+    time.sleep(0.05)
+    return i
+
+
+@task(tags=["gpu"])
+def keep(nbytes: int) -> int:
+    leak(nbytes)
+    return nbytes
+
+
+def leaky_flow(address: str, **runner_kwargs):
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE, **runner_kwargs))
+    def soak() -> list[int]:
+        futures = [short.submit(i) for i in range(4)]
+        futures.append(keep.submit(512 * MiB))
+        return [f.result() for f in futures]
+
+    return soak
+
+
+def test_recycles_keep_every_worker_when_the_cluster_closes_a_restarting_nanny():
+    # Before the fix, the first recycle here lost its worker for good: the cluster
+    # closed the nanny mid-restart and the scheduler waited 60 s for it in vain.
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "0.2s"}),
+        LocalCluster(n_workers=2, threads_per_worker=2, resources={"GPU": 1}, processes=True) as cluster,
+        Client(cluster) as client,
+    ):
+        for _ in range(3):
+            state = leaky_flow(cluster.scheduler_address)(return_state=True)
+            assert state.is_completed(), state
+            report = read_flow_run_gpu_report(state.state_details.flow_run_id)
+            assert [r.outcome for r in report.restarts] == [REPLACED], report.restarts
+            restart = report.restarts[0]
+            assert restart.new_worker and restart.new_worker != restart.worker
+            assert restart.serving_s < 30, restart
+            client.wait_for_workers(2, timeout=10)
+            names = sorted(str(w["name"]) for w in client.scheduler_info()["workers"].values())
+            assert names == ["0", "1"]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_cannot_come_back_is_lost_and_the_flow_run_ends(dask_processes):
+    # No nanny: the restart shuts the worker down and nothing brings it back.
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("only-gpu", "--nthreads", "1", "--resources", "GPU=1", "--no-nanny")
+    dask_processes.wait_for_workers(1)
+    runner = GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, gpu_wait_s=2)
+
+    @flow(task_runner=runner)
+    def left_without_workers() -> tuple[int, list[str]]:
+        leaked = keep.submit(512 * MiB)
+        queued = [short.submit(i) for i in range(3)]
+        outcomes = []
+        for future in queued:
+            try:
+                future.result()
+                outcomes.append("ran")
+            except MissingResourceError as exc:
+                outcomes.append(str(exc))
+        return leaked.result(), outcomes
+
+    started = time.monotonic()
+    state = left_without_workers(return_state=True)
+    took = time.monotonic() - started
+    leaked, outcomes = state.result()
+    assert leaked == 512 * MiB
+    # Each queued task either ran before the drain or failed with a clear error.
+    assert all(o == "ran" or "No Dask worker is left" in o for o in outcomes), outcomes
+    assert any(o != "ran" for o in outcomes), outcomes
+    assert took < 90, took
+    report = read_flow_run_gpu_report(state.state_details.flow_run_id)
+    [restart] = report.restarts
+    assert restart.outcome == LOST and restart.new_worker is None
+    assert "no nanny" in restart.lost_reason
