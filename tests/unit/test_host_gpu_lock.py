@@ -1,0 +1,88 @@
+"""The host-wide GPU claim, across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prefect_gpu_dask.host_gpu_lock import DIRECTORY_ENV, HostGPUClaim, SharedDirectoryError, lock_directory
+
+UUID = "GPU-test-0000"
+
+
+def _hold(directory: str, seconds: float, ready) -> None:
+    claim = HostGPUClaim(UUID, directory=Path(directory))
+    with claim.hold():
+        ready.set()
+        time.sleep(seconds)
+
+
+def _spawn_holder(tmp_path, seconds: float):
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold, args=(str(tmp_path), seconds, ready))
+    proc.start()
+    assert ready.wait(60), "the holder never took the claim"
+    return proc
+
+
+def test_another_process_waits_for_the_claim_and_threads_of_one_process_share_it(tmp_path):
+    holder = _spawn_holder(tmp_path, 1.0)
+    claim = HostGPUClaim(UUID, directory=tmp_path)
+    assert claim.held_elsewhere()
+    waits: list[float] = []
+
+    def run() -> None:
+        with claim.hold() as waited:
+            waits.append(waited)
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    holder.join(30)
+    assert time.monotonic() - started >= 0.5  # they waited for the other process
+    assert max(waits) >= 0.5 and len(waits) == 3
+    assert time.monotonic() - started < 1.0 + 3 * 0.2  # ...and then ran together
+    assert not claim.held_elsewhere()
+
+
+def test_a_killed_holder_leaves_no_stuck_claim(tmp_path):
+    holder = _spawn_holder(tmp_path, 60)
+    claim = HostGPUClaim(UUID, directory=tmp_path)
+    assert claim.held_elsewhere()
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(30)
+    with claim.hold() as waited:
+        assert waited < 5
+
+
+def test_a_directory_others_can_use_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv(DIRECTORY_ENV, str(shared))
+    with pytest.raises(SharedDirectoryError, match="mode 0700"):
+        lock_directory()
+    if os.getuid() == 0:  # only root can hand a directory to another user
+        shared.chmod(0o700)
+        os.chown(shared, 12345, -1)
+        with pytest.raises(SharedDirectoryError, match="uid 12345"):
+            lock_directory()
+
+
+def test_a_new_directory_is_private(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIRECTORY_ENV, str(tmp_path / "mine"))
+    path = lock_directory()
+    assert path.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(ValueError, match="cannot name a lock file"):
+        HostGPUClaim("../x", directory=path)
