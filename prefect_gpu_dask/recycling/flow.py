@@ -296,7 +296,7 @@ class Recycler:
 
     def _move_results(self, keys: Iterable[str]) -> None:
         """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
-        futures = {key: f for key in keys if (f := self._futures.get(key)) is not None}
+        futures = {key: f for key in keys if (f := self._futures.get(key)) is not None and not is_moved(f)}
         states = self.client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
         for key, state in states.items():
             move_into_flow(futures[key], state)

@@ -8,6 +8,7 @@ Functions here run on the scheduler through ``client.run_on_scheduler`` (which p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -138,6 +139,22 @@ async def restart_if_safe(
     ):
         return {"status": "busy", "blockers": ["a task was assigned meanwhile"]}
     stimulus = f"prefect-gpu-dask-restart-{time.time()}"
+    if not whole_cluster and (held := wanted_only_on(addresses, dask_scheduler)):
+        # A result a client still holds would be computed again after the restart: a
+        # task run twice. Copy them to other workers first; where none can take them,
+        # wait (the flow's own, just moved into it, are being released).
+        others = [ws.address for ws in dask_scheduler.running if ws.address not in addresses]
+        if others:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    dask_scheduler.retire_workers(
+                        workers=addresses, close_workers=False, remove=False, stimulus_id=stimulus
+                    ),
+                    timeout,
+                )
+            held = wanted_only_on(addresses, dask_scheduler)
+        if held:
+            return {"status": "busy", "blockers": [f"{len(held)} result(s) a client holds are only there"]}
     old = {address: dask_scheduler.workers[address] for address in addresses}
     for address in addresses:
         # Paused workers get no new tasks between this check and the restart.
@@ -151,6 +168,18 @@ async def restart_if_safe(
             addresses, timeout=timeout, stimulus_id=stimulus, on_error="return", wait_for_workers=False
         )
     return {"status": "restarted", "result": await replacements(old, answers, timeout, dask_scheduler)}
+
+
+def wanted_only_on(addresses: list[str], dask_scheduler: Any) -> list[str]:
+    """Results on ``addresses`` that a client still holds and no other worker has."""
+    drained = set(addresses)
+    return [
+        ts.key
+        for address in addresses
+        if (ws := dask_scheduler.workers.get(address)) is not None
+        for ts in ws.has_what
+        if ts.who_wants and all(holder.address in drained for holder in ts.who_has)
+    ]
 
 
 async def replacements(
