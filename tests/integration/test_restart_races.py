@@ -22,9 +22,9 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import RestartRecord, compute_on_gpus
 from prefect_gpu_dask._compat import future_final_state
-from prefect_gpu_dask.guard import PLUGIN_NAME
-from prefect_gpu_dask.recycling.flow import RecyclableFuture, Recycler, move_into_flow
-from prefect_gpu_dask.recycling.worker import drain
+from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, move_into_flow
+from prefect_gpu_dask.worker.guard import PLUGIN_NAME
+from prefect_gpu_dask.worker.recycling import drain
 
 
 def recycler(client: Client) -> Recycler:

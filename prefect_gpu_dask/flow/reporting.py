@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from prefect_gpu_dask import chart, sizing
+from prefect_gpu_dask.flow import chart, sizing
 from prefect_gpu_dask.records import (
     BYTE_FIELDS,
     LEAK,

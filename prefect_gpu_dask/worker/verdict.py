@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefect_gpu_dask.probe import AllocatorBytes, MemoryProbe, MemorySample
 from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, OOM, format_bytes
 from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker.probe import AllocatorBytes, MemoryProbe, MemorySample
 
 
 @dataclass(frozen=True)

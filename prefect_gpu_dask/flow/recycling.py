@@ -1,8 +1,14 @@
 """The restart path on the flow side: ``Recycler`` takes "restart this worker, because"
 and carries it out, losing no task and running none twice.
 
+The path: drain -> hand back queued work -> move results -> restart -> wait for the
+old process's GPU memory. It spans the three processes: this module (reasons in,
+``RestartRecord``s out), ``scheduler.recycling`` (safe-point checks, hand-back,
+restart, the lost-worker plugin) and ``worker.recycling`` (drain, resume, the memory
+wait, refusing a task run whose worker died).
+
 ``restart="worker"``: the worker drains at once (its guard does that before the task
-that asked returns; ``worker.drain``): it starts nothing new, and once it runs nothing,
+that asked returns; ``worker.recycling.drain``): it starts nothing new, and once it runs nothing,
 the tasks queued on it go back to the scheduler and it restarts. Results it holds that
 a pending task still needs are waited for (if only this worker can run that task, it
 briefly takes tasks again). Before the restart, the Prefect states held there move
@@ -32,9 +38,9 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.records import LOST, REPLACED, RestartRecord, TaskRecord, format_bytes
-from prefect_gpu_dask.recycling import scheduler as on_scheduler
-from prefect_gpu_dask.recycling import worker as on_worker
-from prefect_gpu_dask.routing import scheduler_identity
+from prefect_gpu_dask.resources import scheduler_identity
+from prefect_gpu_dask.scheduler import recycling as on_scheduler
+from prefect_gpu_dask.worker import recycling as on_worker
 
 POLL_S = 0.05
 RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run

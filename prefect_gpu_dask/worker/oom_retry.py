@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import uuid4
 
-from prefect_gpu_dask.routing import scheduler_identity
-from prefect_gpu_dask.verdict import out_of_memory
+from prefect_gpu_dask.resources import scheduler_identity
+from prefect_gpu_dask.worker.verdict import out_of_memory
 
-logger = logging.getLogger("prefect_gpu_dask.oom_retry")
+logger = logging.getLogger("prefect_gpu_dask.worker.oom_retry")
 
 
 def oom_retry_condition(
@@ -104,7 +104,7 @@ def _task_run_id() -> Any:
 
 def free_gpu_bytes(dask_worker: Any) -> int | None:
     """Free bytes on this worker's GPU, as its guard's probe reads them (None: no GPU)."""
-    from prefect_gpu_dask.guard import PLUGIN_NAME
+    from prefect_gpu_dask.worker.guard import PLUGIN_NAME
 
     guard = dask_worker.plugins.get(PLUGIN_NAME)
     if guard is None or not guard.active:

@@ -28,13 +28,14 @@ from prefect.utilities.collections import visit_collection
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from prefect_gpu_dask import cluster as clusters
-from prefect_gpu_dask import reporting
-from prefect_gpu_dask.deadline import deadline
-from prefect_gpu_dask.fallback import MissingResourceError, ResourceWait, falling_back
-from prefect_gpu_dask.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
-from prefect_gpu_dask.labels import GPULabels
-from prefect_gpu_dask.oom_retry import oom_retry_condition, placing
+from prefect_gpu_dask import forkserver
+from prefect_gpu_dask.errors import MissingResourceError
+from prefect_gpu_dask.flow import cluster as clusters
+from prefect_gpu_dask.flow import reporting
+from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
+from prefect_gpu_dask.flow.resource_wait import ResourceWait
+from prefect_gpu_dask.flow.routing import Route, TagRouter, WorkerOffers
+from prefect_gpu_dask.flow.submission import TaskSubmitter
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     RECORD_TOPIC,
@@ -44,12 +45,21 @@ from prefect_gpu_dask.records import (
     RestartRecord,
     TaskRecord,
 )
-from prefect_gpu_dask.recycling.flow import RecyclableFuture, Recycler, resolved
-from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
-from prefect_gpu_dask.routing import Route, TagRouter, WorkerOffers, uses_gpu
-from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, RestartPolicy, RunnerSettings
-from prefect_gpu_dask.submission import TaskSubmitter
-from prefect_gpu_dask.taskwrap import stacked, with_around
+from prefect_gpu_dask.resources import uses_gpu
+from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
+from prefect_gpu_dask.settings import (
+    GuardScope,
+    OnMissingGPU,
+    RestartPolicy,
+    RunnerSettings,
+    check_connection,
+)
+from prefect_gpu_dask.worker.deadline import deadline
+from prefect_gpu_dask.worker.fallback import falling_back
+from prefect_gpu_dask.worker.guard import PLUGIN_NAME, GPUMemoryGuard, guarding
+from prefect_gpu_dask.worker.labels import GPULabels
+from prefect_gpu_dask.worker.oom_retry import oom_retry_condition, placing
+from prefect_gpu_dask.worker.taskwrap import stacked, with_around
 
 CLONES_KEPT = 1024
 # How long a scheduler keeps a task nobody can run before failing it ("error" mode).
@@ -166,15 +176,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             gpu_wait_s=gpu_wait_s,
             health_check_s=health_check_s,
         )
-        if security is not None and not isinstance(security, distributed.Security):
-            raise ValueError(f"security={security!r} is not a distributed.Security")
-        if address:
-            clusters.check_address(
-                address,
-                secure=security is not None
-                and bool(security.require_encryption or address.startswith("tls")),
-                allow_insecure=allow_insecure,
-            )
+        check_connection(address, security, allow_insecure)
         self.router = TagRouter(self.settings.tag_resources)
         self.security = security
         self.allow_insecure = allow_insecure
@@ -336,7 +338,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         local = clusters.is_local_cpu_cluster(cluster_class) or clusters.is_local_cuda_cluster(cluster_class)
         if local and kwargs.get("processes", True):
             cuda = clusters.is_local_cuda_cluster(cluster_class)
-            self._exit_stack.enter_context(clusters.worker_processes(cuda))
+            self._exit_stack.enter_context(forkserver.worker_processes(cuda))
         with dask.config.set(config):
             self._cluster = self._exit_stack.enter_context(cluster_class(**kwargs))
         self._made_cluster = True

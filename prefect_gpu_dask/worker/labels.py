@@ -16,11 +16,11 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
-from prefect_gpu_dask.probe import GPUIdentity
-from prefect_gpu_dask.routing import GPU_RESOURCE, MEMORY_RESOURCE, model_resource, model_slug
+from prefect_gpu_dask.resources import GPU_RESOURCE, MEMORY_RESOURCE, model_resource, model_slug
 from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker.probe import GPUIdentity, open_probe
 
-logger = logging.getLogger("prefect_gpu_dask.labels")
+logger = logging.getLogger("prefect_gpu_dask.worker.labels")
 
 
 def labels_for(offered: Mapping[str, float], gpu: GPUIdentity) -> dict[str, float]:
@@ -45,7 +45,7 @@ class GPULabels(WorkerPlugin):
 
     async def setup(self, worker: Any) -> None:
         try:
-            probe = self.settings.open_probe()
+            probe = open_probe(self.settings.memory_probe)
         except Exception as exc:  # NVML present but unusable: no labels, worker fine
             logger.warning("Could not read the GPU of %s to label it: %s", worker.address, exc)
             return

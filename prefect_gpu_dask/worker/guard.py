@@ -27,21 +27,22 @@ from typing import Any
 from distributed import WorkerPlugin
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.activity import Activity, ActivityWatch
-from prefect_gpu_dask.health import HealthMonitor
-from prefect_gpu_dask.probe import (
+from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
+from prefect_gpu_dask.resources import GPU_RESOURCE
+from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
+from prefect_gpu_dask.worker.health import HealthMonitor
+from prefect_gpu_dask.worker.probe import (
     AllocatorBytes,
     MemoryProbe,
     MemorySample,
     allocator_reader,
+    open_probe,
     process_sampler,
 )
-from prefect_gpu_dask.quarantine import HealthWatch
-from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
-from prefect_gpu_dask.recycling.worker import drain, wait_for_released_memory
-from prefect_gpu_dask.routing import GPU_RESOURCE
-from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
+from prefect_gpu_dask.worker.quarantine import HealthWatch
+from prefect_gpu_dask.worker.recycling import drain, wait_for_released_memory
+from prefect_gpu_dask.worker.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
 
 PLUGIN_NAME = "prefect-gpu-dask-guard"
 PEAK_INTERVAL_S = 0.005
@@ -49,7 +50,7 @@ PEAK_INTERVAL_S = 0.005
 # interval doubles while tasks run, up to this.
 PEAK_MAX_INTERVAL_S = 0.1
 
-logger = logging.getLogger("prefect_gpu_dask.guard")
+logger = logging.getLogger("prefect_gpu_dask.worker.guard")
 
 
 def release_allocator_caches() -> None:
@@ -181,7 +182,7 @@ class GPUMemoryGuard(WorkerPlugin):
     async def setup(self, worker: Any) -> None:
         self.worker = worker
         try:
-            self.probe = self.settings.open_probe()
+            self.probe = open_probe(self.settings.memory_probe)
         except Exception as exc:  # NVML present but unusable: guard off, worker fine
             logger.warning("GPU memory guard disabled on %s: %s", worker.address, exc)
             self.probe = None

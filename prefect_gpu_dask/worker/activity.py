@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-logger = logging.getLogger("prefect_gpu_dask.activity")
+logger = logging.getLogger("prefect_gpu_dask.worker.activity")
 
 TICK_S = 0.25
 PROCESS, DEVICE = "process", "device"

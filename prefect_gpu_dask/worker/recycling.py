@@ -20,7 +20,8 @@ from typing import Any
 
 from distributed.core import Status
 
-from prefect_gpu_dask.recycling.scheduler import INTERRUPTED, STARTED_THERE, STARTED_TOPIC
+from prefect_gpu_dask.errors import WorkerDiedError
+from prefect_gpu_dask.records import INTERRUPTED, STARTED_THERE, STARTED_TOPIC
 
 logger = logging.getLogger("prefect_gpu_dask.recycling")
 
@@ -32,15 +33,6 @@ RELEASE_WAIT_S = 15.0
 NOT_STARTED = {"waiting", "ready", "constrained"}
 
 _drains: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
-
-
-class WorkerDiedError(BaseException):
-    """The Dask worker running this task run died before it finished.
-
-    A ``BaseException``, like Prefect's own ``TerminationSignal``: Prefect's engine
-    reports it as a crash (``Crashed``: infrastructure lost, not the task's code failing),
-    and never retries it.
-    """
 
 
 def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> dict[str, Any]:
@@ -125,7 +117,7 @@ def announce_start() -> tuple[str | None, bool]:
 
 def refusal(worker: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the dead worker."""
-    from prefect_gpu_dask.taskwrap import raising
+    from prefect_gpu_dask.worker.taskwrap import raising
 
     return raising(
         WorkerDiedError(

@@ -34,7 +34,7 @@ from dask.sizeof import sizeof
 from distributed.protocol import pickle
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.routing import gpu_workers, scheduler_identity
+from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
 
 # Dask would plan P2P shuffles/rechunks with a distributed client around; the threads
 # scheduler cannot run those.
@@ -42,6 +42,19 @@ TASKS_BASED = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tas
 # Split only when the joining tasks are at most this share of the graph.
 MAX_JOIN_SHARE = 0.25
 PICKLE_RESULTS_UP_TO = 16 * 2**20
+
+
+def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Addresses of GPU workers (all workers on a cluster without any), those taking
+    tasks first, from the scheduler's ``identity()["workers"]``.
+
+    A worker draining for a restart is left out while another can take its share; GPU
+    work never moves to CPU workers because the GPU ones are draining.
+    """
+    gpu = {a: w for a, w in workers.items() if uses_gpu(w.get("resources") or {})}
+    candidates = gpu or workers
+    running = [a for a, w in candidates.items() if w.get("status", "running") == "running"]
+    return sorted(running or candidates)
 
 
 def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]:

@@ -6,6 +6,7 @@ scripted probe while the GPU machine drives it with NVML.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -150,19 +151,33 @@ class NvmlProbe:
     def activity_reader(self) -> Any:
         """This GPU's utilisation, energy, temperature and throttling, for
         ``activity.ActivityWatch``."""
-        from prefect_gpu_dask.activity import NvmlActivity
+        from prefect_gpu_dask.worker.activity import NvmlActivity
 
         return NvmlActivity(self._handle, self._pid)
 
     def health_reader(self) -> Callable[[], Any]:
         """This GPU's health readings, for ``health.HealthMonitor``."""
-        from prefect_gpu_dask.health import NvmlHealthReader
+        from prefect_gpu_dask.worker.health import NvmlHealthReader
 
         return NvmlHealthReader(self._handle)
 
 
-def open_probe() -> NvmlProbe | None:
-    """An NVML probe for this process's GPU, or None on a host without one."""
+ProbeFactory = Callable[[], Any]
+
+
+def resolve_probe_factory(value: str | ProbeFactory) -> ProbeFactory:
+    """The factory named by ``"package.module:factory"`` (imported where it runs)."""
+    if callable(value):
+        return value
+    module, _, name = value.rpartition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def open_probe(memory_probe: str | ProbeFactory | None = None) -> MemoryProbe | None:
+    """This process's probe: the runner's ``memory_probe``'s, else an NVML probe of its
+    GPU (None on a host without one)."""
+    if memory_probe is not None:
+        return resolve_probe_factory(memory_probe)()
     if nvml.visible_gpu_count() == 0:
         return None
     return NvmlProbe()
