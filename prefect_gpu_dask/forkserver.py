@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import dask
 from distributed.proctitle import enable_proctitle_on_children
 
-logger = logging.getLogger("prefect_gpu_dask.forkserver")
+logger = logging.getLogger(__name__)
 
 START_METHOD_KEY = "distributed.worker.multiprocessing-method"
 # What a worker process needs before its first task; imported once, in the fork server.

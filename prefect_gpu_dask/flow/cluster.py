@@ -1,4 +1,4 @@
-"""Which Dask cluster to start, and where it may listen.
+"""Which Dask cluster the runner starts or joins, and where a started one may listen.
 
 With no ``address`` and no ``cluster_class`` the runner asks NVML how many GPUs this
 host has: one or more (and dask-cuda installed) gives a ``LocalCUDACluster`` with one
@@ -6,7 +6,8 @@ worker per GPU, each labelled ``GPU=1``; none gives a CPU ``LocalCluster``. Loca
 clusters bind to loopback only: GPU hosts are a favourite target for crypto-miners.
 
 Their worker processes are forked from a server process that has already imported
-Prefect, Dask and this package (``forkserver``).
+Prefect, Dask and this package (``forkserver``). ``start_or_join`` is the runner's one
+way to its client.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import dask
 import distributed
+from prefect_dask import DaskTaskRunner
 
-from prefect_gpu_dask import nvml
+from prefect_gpu_dask import forkserver, nvml
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
-logger = logging.getLogger("prefect_gpu_dask.flow.cluster")
+if TYPE_CHECKING:
+    from prefect_gpu_dask.flow.runner import GPUDaskTaskRunner
+
 
 LOOPBACK = "127.0.0.1"
+# How long a scheduler keeps a task nobody can run before failing it ("error" mode).
+NO_WORKERS_TIMEOUT = "10s"
 # More than one thread per GPU worker overlaps Python overhead with GPU work and lets
 # a gpu task's own Dask graph run beside it (docs/performance.md). gpu-tagged tasks
 # still take the GPU one at a time.
@@ -116,3 +123,58 @@ def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[.
     from prefect.utilities.importtools import from_qualified_name
 
     return from_qualified_name(cluster_class)
+
+
+def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:
+    """Start the cluster ``runner`` names (or make the user's cluster adaptive), then
+    connect as prefect-dask does.
+
+    Returns the client and whether workers may still join (an ``address``, a
+    ``cluster``, a non-local ``cluster_class`` or ``adapt_kwargs``): where they may,
+    a task waits ``gpu_wait_s`` for a worker offering its resources.
+    """
+    _start_cluster(runner)
+    # prefect-dask calls an existing cluster's adapt() without awaiting it: the
+    # cluster this runner built or was given was made adaptive just above.
+    adapt_kwargs, runner.adapt_kwargs = runner.adapt_kwargs, {}
+    try:
+        client = DaskTaskRunner.client.fget(runner)
+    finally:
+        runner.adapt_kwargs = adapt_kwargs
+    can_grow = not (
+        runner._made_cluster and isinstance(runner._cluster, distributed.LocalCluster) and not adapt_kwargs
+    )
+    return client, can_grow
+
+
+def _start_cluster(runner: GPUDaskTaskRunner) -> None:
+    if runner._cluster is not None and runner.adapt_kwargs:
+        adapt(runner._cluster, runner.adapt_kwargs)  # the user's cluster, made adaptive
+    if runner._cluster is not None or runner.address:
+        return
+    try:
+        distributed.get_client()
+        return  # a default client (inside a Dask worker: the parent's): prefect-dask uses it
+    except ValueError:
+        pass
+    if runner.cluster_class:
+        cluster_class = resolve_cluster_class(runner.cluster_class)
+    else:
+        cluster_class = default_cluster_class(runner.logger)
+    kwargs = local_cluster_kwargs(cluster_class, runner.cluster_kwargs)
+    if runner.security is not None:
+        kwargs.setdefault("security", runner.security)
+    runner.logger.info("Creating a new Dask cluster with `%s`", cluster_class_name(cluster_class))
+    config = (
+        {"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT}
+        if runner.settings.on_missing_gpu == "error" and not runner.adapt_kwargs
+        else {}
+    )
+    cuda = is_local_cuda_cluster(cluster_class)
+    if (cuda or is_local_cpu_cluster(cluster_class)) and kwargs.get("processes", True):
+        runner._exit_stack.enter_context(forkserver.worker_processes(cuda))
+    with dask.config.set(config):
+        runner._cluster = runner._exit_stack.enter_context(cluster_class(**kwargs))
+    runner._made_cluster = True
+    if runner.adapt_kwargs:
+        adapt(runner._cluster, runner.adapt_kwargs)

@@ -148,8 +148,8 @@ def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
 
 
 class LivePublisher:
-    """Publishes each record as a table artifact on its task run, and a leak as an
-    event, in the background.
+    """Publishes each record as a table artifact on its task run, a leak as an event,
+    and each quarantined GPU as an event, in the background.
 
     Built in the flow's thread (whose context reaches the flow's API); records arrive
     on Dask's event loop, which must not wait for the API.
@@ -157,7 +157,7 @@ class LivePublisher:
 
     def __init__(self, logger: logging.Logger):
         self.logger = logger
-        self._records: queue.Queue[TaskRecord | None] = queue.Queue()
+        self._records: queue.Queue[TaskRecord | GPUQuarantine | None] = queue.Queue()
         context = contextvars.copy_context()
         self._thread = threading.Thread(
             target=context.run, args=(self._run,), name="gpu-records", daemon=True
@@ -166,6 +166,21 @@ class LivePublisher:
 
     def publish(self, record: TaskRecord) -> None:
         self._records.put(record)
+
+    def quarantined(self, quarantine: GPUQuarantine) -> None:
+        """Log a GPU found sick, and emit its event."""
+        if quarantine.withdrawn:
+            self.logger.error(
+                "Quarantined %s. Its gpu tasks go to the %d other GPU worker(s)",
+                quarantine.describe(),
+                quarantine.healthy_gpu_workers,
+            )
+        else:
+            self.logger.error(
+                "Quarantined %s. No healthy GPU is left: gpu tasks fail with UnhealthyGPUError",
+                quarantine.describe(),
+            )
+        self._records.put(quarantine)
 
     def close(self, timeout: float = 30.0) -> None:
         """Publish what is queued (up to ``timeout``), then stop."""
@@ -176,6 +191,12 @@ class LivePublisher:
         from prefect.artifacts import TableArtifact
 
         while (record := self._records.get()) is not None:
+            if isinstance(record, GPUQuarantine):
+                try:
+                    emit_unhealthy_event(record)
+                except Exception as exc:
+                    self.logger.warning("Could not emit the event of %s: %s", record.describe(), exc)
+                continue
             if record.verdict == LEAK:
                 try:
                     emit_leak_event(record)

@@ -1,21 +1,24 @@
-"""Where a task runs: Prefect task tags + Dask annotations + what workers offer -> ``Route``.
+"""How a task runs: Prefect task tags + Dask annotations + what workers offer -> ``Route``.
 
 ``gpu`` asks for one ``GPU`` slot, ``gpu:N`` for N slots (``gpu:0.5`` lets two tasks
-share a GPU), and a user map turns any tag into any resources. Everything is validated
-up front so a typo fails at construction or submission, never as a task that waits
-forever for a resource nobody has. ``TagRouter.route`` is the one routing decision:
-the runner and ``compute_on_gpus`` act on its answer and decide nothing themselves.
+share a GPU), ``gpu:<model>``/``gpu-model:<name>`` and ``gpu-mem:<size>`` for a kind of
+GPU, and a user map turns any tag into any resources. Everything is validated up front
+so a typo fails at construction or submission, never as a task that waits forever for
+a resource nobody has. ``TagRouter.route`` is the one decision about a task run: where
+it runs, what it waits for, and what runs around it on its worker. The runner hands the
+``Route`` to ``submission``, which applies it and decides nothing itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any
 
 from prefect_gpu_dask.resources import (
     GPU_RESOURCE,
@@ -30,7 +33,7 @@ from prefect_gpu_dask.resources import (
     scheduler_identity,
     uses_gpu,
 )
-from prefect_gpu_dask.settings import validate_tag_resources
+from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, validate_tag_resources
 
 # Models ``gpu:<model>`` accepts; any other name goes through ``gpu-model:<name>``, so a
 # typo such as ``gpu:0.5x`` still fails instead of asking for a model nobody has.
@@ -84,24 +87,39 @@ def parse_gpu_tag(tag: str) -> float | None:
     return amount
 
 
-Fallback = Literal["cpu", "error"]
+Fallback = OnMissingGPU
 
 
 @dataclass(frozen=True)
 class Route:
-    """What to ask Dask for, and what to do because nobody offers it.
+    """Everything about how one task run runs: what to ask Dask for, what to do because
+    nobody offers it, and what runs around the task's function on its worker.
 
     ``fallback`` is None when some worker offers ``resources``. Otherwise ``message``
     says why the task runs on CPU with that warning (``"cpu"``) or fails with it
     (``"error"``): at once (``resources`` empty: it runs unrestricted) or, with
     ``wait_s``, if no worker offering ``resources`` joins within that many seconds.
+
+    Around the function: the fallback's warning or failure (``fallback``), the GPU
+    memory guard (``guard``), a watchdog for a ``timeout_seconds`` the task may be stuck
+    past outside Python (``deadline``), and ``oom_retries`` retries for CUDA
+    out-of-memory failures on top of the task's own, each on the GPU worker with the
+    most free memory that offers ``resources``.
     """
 
     resources: Resources
-    gpu: bool  # asks for a GPU: the guard measures it
+    gpu: bool  # asks for a GPU
     fallback: Fallback | None = None
     message: str | None = None
     wait_s: float = 0.0
+    guard: bool = False
+    deadline: bool = False
+    oom_retries: int = 0
+
+    @property
+    def waited_for(self) -> Resources | None:
+        """The resources a worker that runs it after all offers (it waited for them)."""
+        return self.resources if self.wait_s else None
 
 
 class TagRouter:
@@ -153,17 +171,42 @@ class TagRouter:
         offers: WorkerOffers | None,
         on_missing: Fallback,
         wait_s: float = 0.0,
+        *,
+        guard: GuardScope = "off",
+        timeout_s: float | None = None,
+        oom_retries: int = 0,
     ) -> Route:
-        """Decide where task ``name`` runs.
+        """Decide how task ``name`` runs.
 
         ``annotations`` (a ``dask.annotate(resources=...)`` around the submit) override
         what the tags ask for, resource by resource. ``offers``: what the cluster's
         workers advertise (None: not known, route by the request alone). ``wait_s``:
         how long a cluster that can still grow gets to offer what nobody offers yet.
+        ``guard``: which tasks the memory guard measures (``"off"``: none, the guard is
+        not running). ``timeout_s``: the task's ``timeout_seconds``. ``oom_retries``:
+        out-of-memory retries a task asking for a GPU gets.
         """
         resources = self.resources_for_tags(tags)
         if annotations:
             resources = {**resources, **annotations}
+        where = self._where(name, resources, offers, on_missing, wait_s)
+        # It may still run on what it asked for: at once, or once a worker offering it joins.
+        as_asked = where.fallback is None or where.wait_s > 0
+        return dataclasses.replace(
+            where,
+            guard=as_asked and (guard == "all" or (guard == "gpu" and where.gpu)),
+            deadline=bool(timeout_s),
+            oom_retries=oom_retries if where.gpu else 0,
+        )
+
+    @staticmethod
+    def _where(
+        name: str,
+        resources: Resources,
+        offers: WorkerOffers | None,
+        on_missing: Fallback,
+        wait_s: float,
+    ) -> Route:
         if not resources or offers is None or offers.can_serve(resources):
             return Route(resources, uses_gpu(resources))
         if wait_s > 0:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-logger = logging.getLogger("prefect_gpu_dask.worker.activity")
+logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
 PROCESS, DEVICE = "process", "device"

@@ -59,10 +59,10 @@ def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]:
     """``dask.compute`` for use inside a Prefect task running on a Dask worker."""
-    try:
-        me = distributed.get_worker().address
-    except ValueError:
+    worker = _compat.current_worker()
+    if worker is None:
         return dask.compute(*collections, **compute_kwargs)
+    me = worker.address
     with distributed.worker_client() as client:
         workers = gpu_workers(scheduler_identity(client)["workers"])
         if workers == [me]:
@@ -152,7 +152,7 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
 
 def _threads() -> int:
     """As many threads as this worker has: as much GPU work at once as the user allowed."""
-    return distributed.get_worker().state.nthreads
+    return _compat.current_worker().state.nthreads
 
 
 def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:

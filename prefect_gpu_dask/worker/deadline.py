@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.records import HUNG_TOPIC, HungTask
 
 # Prefect's own timeout gets this long to land before the task counts as stuck.
@@ -35,12 +36,7 @@ def deadline() -> Iterator[None]:
 
     ctx = TaskRunContext.get()
     seconds = ctx.task.timeout_seconds if ctx is not None else None
-    try:
-        import distributed
-
-        worker = distributed.get_worker()
-    except ValueError:
-        worker = None
+    worker = current_worker()
     if not seconds or worker is None:
         yield
         return

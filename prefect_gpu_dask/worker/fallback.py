@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from prefect_gpu_dask._compat import current_worker, worker_resources
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.resources import satisfiable
 
@@ -41,11 +42,5 @@ def falling_back(
 
 
 def _worker_resources() -> Mapping[str, float]:
-    import distributed
-
-    from prefect_gpu_dask._compat import worker_resources
-
-    try:
-        return worker_resources(distributed.get_worker())
-    except ValueError:  # not on a Dask worker
-        return {}
+    worker = current_worker()
+    return worker_resources(worker) if worker is not None else {}

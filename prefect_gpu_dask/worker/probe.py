@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -181,3 +182,24 @@ def open_probe(memory_probe: str | ProbeFactory | None = None) -> MemoryProbe | 
     if nvml.visible_gpu_count() == 0:
         return None
     return NvmlProbe()
+
+
+_opened: weakref.WeakKeyDictionary[Any, dict[Any, tuple[MemoryProbe | None, Exception | None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def worker_probe(worker: Any, memory_probe: str | ProbeFactory | None) -> MemoryProbe | None:
+    """``open_probe`` once per worker: its labels and its guard read the same probe (and
+    each hears what opening it raised)."""
+    key = memory_probe if memory_probe is None or isinstance(memory_probe, str) else id(memory_probe)
+    opened = _opened.setdefault(worker, {})
+    if key not in opened:
+        try:
+            opened[key] = (open_probe(memory_probe), None)
+        except Exception as exc:
+            opened[key] = (None, exc)
+    probe, error = opened[key]
+    if error is not None:
+        raise error
+    return probe

@@ -21,12 +21,11 @@ What runs on the worker, and what it starts elsewhere:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from prefect_gpu_dask.errors import UnhealthyGPUError
@@ -34,8 +33,9 @@ from prefect_gpu_dask.records import UNHEALTHY_TOPIC, GPUQuarantine
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.scheduler.quarantine import withdraw
 from prefect_gpu_dask.worker.health import HealthMonitor, HealthVerdict
+from prefect_gpu_dask.worker.taskwrap import refused
 
-logger = logging.getLogger("prefect_gpu_dask.worker.quarantine")
+logger = logging.getLogger(__name__)
 TIMER_NAME = "prefect-gpu-dask-health"
 
 
@@ -161,18 +161,10 @@ def screen(task: Any, restrictions: Mapping[str, float] | None, watch: HealthWat
 
         logger.warning("%s goes back to the scheduler: quarantined %s", task.name, quarantine.describe())
         raise distributed.Reschedule()  # Prefect's engine never saw it start
-    from prefect_gpu_dask.worker.taskwrap import with_around
-
-    return with_around(task, failing(quarantine), retries=0)
-
-
-def failing(quarantine: GPUQuarantine) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the GPU."""
-    from prefect_gpu_dask.worker.taskwrap import raising
-
-    return raising(
+    return refused(
+        task,
         UnhealthyGPUError(
             f"Quarantined {quarantine.describe()}. No healthy GPU is left in the cluster, so "
             "this gpu task was not run."
-        )
+        ),
     )

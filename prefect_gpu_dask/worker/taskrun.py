@@ -25,8 +25,7 @@ from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.payload import Shared
 from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import screen
-from prefect_gpu_dask.worker.recycling import announce_start, refusal
-from prefect_gpu_dask.worker.taskwrap import with_around
+from prefect_gpu_dask.worker.recycling import admit
 
 _SETTINGS = _compat.context_var(SettingsContext)
 _CLIENTS = _compat.context_var(SyncClientContext)
@@ -92,6 +91,13 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     return _cached(f"settings-{shared.token}", build)
 
 
+def _api_state(clients: SyncClientContext, task_run_id: Any) -> Any:
+    try:
+        return clients.client.read_task_run(task_run_id).state
+    except ObjectNotFound:
+        return None
+
+
 def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
@@ -99,19 +105,9 @@ def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) ->
     watch = guard.health if guard is not None else None
     task = screen(task, _compat.current_task_restrictions(), watch)  # a sick GPU's work goes elsewhere
     settings, clients = _settings_and_client(context.pop("settings_context"))
-    dead, started_there = announce_start()
-    if dead is not None:
-        # Dask sends back every task the dead worker held. One that never started there
-        # runs now; one whose run already ended (the flow timed it out, then recycled the
-        # worker) returns that state; one that was running crashes, naming the worker.
-        try:
-            state = clients.client.read_task_run(run_kwargs["task_run_id"]).state
-        except ObjectNotFound:
-            state = None
-        if state is not None and state.is_final():
-            return state
-        if started_there or (state is not None and state.is_running()):
-            task = with_around(task, refusal(dead), retries=0)
+    task, final = admit(task, lambda: _api_state(clients, run_kwargs["task_run_id"]))
+    if final is not None:  # its worker died after the run ended: the flow gets that state again
+        return final
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     # Set the context variables directly: one object serves all worker threads.
     settings_reset = _SETTINGS.set(settings)

@@ -23,12 +23,11 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from prefect_gpu_dask import RestartRecord, compute_on_gpus
 from prefect_gpu_dask._compat import future_final_state
 from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, move_into_flow
-from prefect_gpu_dask.worker.guard import PLUGIN_NAME
 from prefect_gpu_dask.worker.recycling import drain
 
 
 def recycler(client: Client) -> Recycler:
-    return Recycler(client, "worker", guard_name=PLUGIN_NAME, logger=logging.getLogger("test-restarts"))
+    return Recycler(client, "worker", logger=logging.getLogger("test-restarts"))
 
 
 def recycle(rc: Recycler, worker: str, timeout: float = 30) -> RestartRecord:
