@@ -12,9 +12,11 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from prefect_gpu_dask import nvml
+
+T = TypeVar("T")
 
 
 class MemorySample(NamedTuple):
@@ -131,14 +133,17 @@ class NvmlProbe:
         self._handle = handle if handle is not None else nvml.worker_device_handle()
         self._pid = pid if pid is not None else os.getpid()
         self.gpu = GPUIdentity(
-            nvml.device_index(self._handle),
-            nvml.device_uuid(self._handle),
-            nvml.device_name(self._handle),
-            nvml.device_memory(self._handle).total,
+            _needed(nvml.device_index(self._handle), "index"),
+            _needed(nvml.device_uuid(self._handle), "UUID"),
+            nvml.device_name(self._handle) or "",
+            self._memory().total,
         )
 
+    def _memory(self) -> nvml.DeviceMemory:
+        return _needed(nvml.device_memory(self._handle), "memory")
+
     def sample(self) -> MemorySample:
-        device = nvml.device_memory(self._handle)
+        device = self._memory()
         return MemorySample(nvml.process_memory(self._handle, self._pid), device.used, device.total)
 
     def sample_process(self) -> MemorySample:
@@ -172,6 +177,13 @@ def resolve_probe_factory(value: str | ProbeFactory) -> ProbeFactory:
         return value
     module, _, name = value.rpartition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def _needed(reading: T | None, what: str) -> T:
+    """A reading the probe cannot do without (the guard is off on a GPU without it)."""
+    if reading is None:
+        raise RuntimeError(f"NVML does not read this GPU's {what}")
+    return reading
 
 
 def open_probe(memory_probe: str | ProbeFactory | None = None) -> MemoryProbe | None:
