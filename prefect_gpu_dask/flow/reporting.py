@@ -101,36 +101,22 @@ def _gpu_resource(record: Described) -> dict[str, str]:
     }
 
 
-def emit_leak_event(record: TaskRecord) -> None:
+def _emit(event: str, record: Described, payload: dict[str, Any]) -> None:
     from prefect.events import emit_event
 
-    emit_event(
-        event=LEAK_EVENT,
-        resource=_gpu_resource(record),
-        related=_related(record),
-        payload=record.to_event(),
-    )
+    emit_event(event=event, resource=_gpu_resource(record), related=_related(record), payload=payload)
+
+
+def emit_leak_event(record: TaskRecord) -> None:
+    _emit(LEAK_EVENT, record, record.to_event())
 
 
 def emit_restart_event(restart: RestartRecord) -> None:
-    from prefect.events import emit_event
-
-    emit_event(
-        event=RESTART_EVENT,
-        resource=_gpu_resource(restart),
-        related=_related(restart),
-        payload=restart.to_payload(),
-    )
+    _emit(RESTART_EVENT, restart, restart.to_payload())
 
 
 def emit_unhealthy_event(quarantine: GPUQuarantine) -> None:
-    from prefect.events import emit_event
-
-    emit_event(
-        event=UNHEALTHY_EVENT,
-        resource=_gpu_resource(quarantine),
-        payload=quarantine.to_event(),
-    )
+    _emit(UNHEALTHY_EVENT, quarantine, quarantine.to_event())
 
 
 def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
