@@ -70,7 +70,7 @@ def spec_cluster_of(dask_scheduler: Any) -> Any:
     is, when it lives in the scheduler's process; else None.
 
     Needed because such a cluster may close a restarting worker's nanny (see
-    ``recycling.scheduler.replacements``). Public replacement: a scheduler-side hook to
+    ``scheduler.recycling.replacements``). Public replacement: a scheduler-side hook to
     reach the cluster that owns it, or a ``SpecCluster`` that cancels the lost-worker
     timer of a name once a worker of that name registers again.
     """
@@ -93,7 +93,7 @@ def bytes_sent(comm: Any) -> int | None:
 def drop_resource_restrictions(dask_scheduler: Any, keys: list[str], stimulus_id: str) -> list[str]:
     """Let tasks not started yet run without their resource restrictions.
 
-    Used when no worker offering a task's resources joined in time (``fallback``).
+    Used when no worker offering a task's resources joined in time (``scheduler.fallback``).
     Public replacement: a ``Scheduler.set_restrictions`` for resources (it takes worker
     restrictions only).
     """

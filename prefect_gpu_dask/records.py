@@ -1,6 +1,6 @@
 """The typed records: what the guard saw around one task, and what one restart did.
 
-A ``TaskRecord`` is built on the worker (``guard.py``), travels to the flow as a Dask
+A ``TaskRecord`` is built on the worker (``worker.guard``), travels to the flow as a Dask
 worker event (a plain dict on the wire: ``to_event``/``from_event``) and is read by
 attribute everywhere after. A ``RestartRecord`` is built on the flow side by the
 recycler. Byte figures are ints; ``dask.utils.format_bytes`` makes them readable.

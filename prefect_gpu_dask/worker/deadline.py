@@ -3,10 +3,10 @@
 Prefect's engine times a task out by raising in its thread, which only lands once the
 thread runs Python again: a task blocked in a C call (a hung kernel, a stuck
 collective, a dead file system) outlives its timeout for as long as the call lasts. The
-runner clones every task that has ``timeout_seconds`` with ``taskwrap.with_around(task,
+flow clones every task that has ``timeout_seconds`` with ``taskwrap.with_around(task,
 deadline)``: a watchdog timer per task run that, if the task is still running a moment
 after its timeout, sends a ``HungTask`` record to the flow. The flow marks the task run
-``TimedOut`` and recycles the worker holding the stuck thread (``recycling``).
+``TimedOut`` and recycles the worker holding the stuck thread (``flow.recycling``).
 """
 
 from __future__ import annotations

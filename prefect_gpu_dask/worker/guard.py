@@ -414,7 +414,7 @@ def _clear_frames(exc: BaseException) -> None:
 def guarding() -> Iterator[None]:
     """Measure the task run inside it with this worker's guard (a no-op without one).
 
-    The ``around`` the runner clones guarded tasks with (``taskwrap.with_around``).
+    The ``around`` the flow clones guarded tasks with (``taskwrap.with_around``).
     """
     guard = current_guard()
     if guard is None:

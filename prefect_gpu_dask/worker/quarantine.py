@@ -14,8 +14,8 @@ What runs on the worker, and what it starts elsewhere:
 - worker, per task (``worker.taskrun.run_task_run``): a ``gpu`` task on a quarantined
   GPU goes back to the scheduler (``distributed.Reschedule``) before Prefect's engine
   starts, to run on a healthy GPU, or, with none left, fails with ``UnhealthyGPUError``.
-- flow: the runner logs each ``GPUQuarantine``, emits ``prefect-gpu-dask.gpu.unhealthy``
-  and lists it in the summary.
+- flow: the ``Recycler`` leaves the worker alone; ``reporting`` logs each
+  ``GPUQuarantine``, emits ``prefect-gpu-dask.gpu.unhealthy`` and lists it in the summary.
 """
 
 from __future__ import annotations

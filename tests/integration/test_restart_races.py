@@ -1,8 +1,8 @@
 """The recycler against the races a real cluster produces.
 
-Each test drives ``recycling.flow.Recycler`` on a real ``LocalCluster`` (worker
+Each test drives ``flow.recycling.Recycler`` on a real ``LocalCluster`` (worker
 processes under nannies) the way the runner does after a guard verdict: the worker
-drains (``recycling.worker.drain``), the recycler is asked to restart it.
+drains (``worker.recycling.drain``), the recycler is asked to restart it.
 """
 
 from __future__ import annotations
