@@ -30,8 +30,8 @@ import prefect_dask
 import prefect_dask.task_runners
 
 # Imported before the names are rebound: GPUDaskTaskRunner subclasses the real class,
-# and prefect_gpu_dask.runner keeps its own reference to it (DaskTaskRunner.client).
-from prefect_gpu_dask.runner import GPUDaskTaskRunner
+# and prefect_gpu_dask.flow.runner keeps its own reference to it (DaskTaskRunner.client).
+from prefect_gpu_dask.flow.runner import GPUDaskTaskRunner
 
 ORIGINAL = prefect_dask.task_runners.DaskTaskRunner
 if not (isinstance(ORIGINAL, type) and issubclass(GPUDaskTaskRunner, ORIGINAL)):

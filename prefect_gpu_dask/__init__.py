@@ -1,7 +1,7 @@
 """GPU Dask as a first-class Prefect 3 task runner.
 
 Names are imported on first use: a Dask worker that unpickles the guard plugin
-imports ``prefect_gpu_dask.guard`` alone, not Prefect, so the cluster starts sooner.
+imports ``prefect_gpu_dask.worker.guard`` alone, not Prefect, so the cluster starts sooner.
 Prefect's engine loads with a worker's first task run.
 """
 
@@ -11,45 +11,44 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prefect_gpu_dask.arrays import array_module, gpu_available
-    from prefect_gpu_dask.compute import compute_on_gpus
-    from prefect_gpu_dask.fallback import MissingResourceError
-    from prefect_gpu_dask.flow_run_report import (
+    from prefect_gpu_dask.errors import MissingResourceError, UnhealthyGPUError
+    from prefect_gpu_dask.flow.flow_run_report import (
         FlowRunGPUReport,
         aread_flow_run_gpu_report,
         read_flow_run_gpu_report,
     )
-    from prefect_gpu_dask.guard import GPUMemoryGuard
-    from prefect_gpu_dask.probe import MemoryProbe, MemorySample, NvmlProbe
-    from prefect_gpu_dask.quarantine import UnhealthyGPUError
+    from prefect_gpu_dask.flow.routing import Route, TagRouter, parse_gpu_tag
+    from prefect_gpu_dask.flow.runner import GPUDaskTaskRunner
+    from prefect_gpu_dask.flow.sizing import SizingHint
     from prefect_gpu_dask.records import GPUQuarantine, RestartRecord, TaskRecord
-    from prefect_gpu_dask.routing import Route, TagRouter, parse_gpu_tag
-    from prefect_gpu_dask.runner import GPUDaskTaskRunner
     from prefect_gpu_dask.settings import RunnerSettings
-    from prefect_gpu_dask.sizing import SizingHint
+    from prefect_gpu_dask.worker.arrays import array_module, gpu_available
+    from prefect_gpu_dask.worker.compute import compute_on_gpus
+    from prefect_gpu_dask.worker.guard import GPUMemoryGuard
+    from prefect_gpu_dask.worker.probe import MemoryProbe, MemorySample, NvmlProbe
 
 _HOMES = {
-    "GPUDaskTaskRunner": "runner",
-    "MissingResourceError": "fallback",
-    "GPUMemoryGuard": "guard",
+    "GPUDaskTaskRunner": "flow.runner",
+    "MissingResourceError": "errors",
+    "GPUMemoryGuard": "worker.guard",
     "RunnerSettings": "settings",
     "TaskRecord": "records",
     "RestartRecord": "records",
     "GPUQuarantine": "records",
-    "UnhealthyGPUError": "quarantine",
-    "Route": "routing",
-    "MemoryProbe": "probe",
-    "MemorySample": "probe",
-    "NvmlProbe": "probe",
-    "TagRouter": "routing",
-    "parse_gpu_tag": "routing",
-    "array_module": "arrays",
-    "gpu_available": "arrays",
-    "compute_on_gpus": "compute",
-    "FlowRunGPUReport": "flow_run_report",
-    "read_flow_run_gpu_report": "flow_run_report",
-    "aread_flow_run_gpu_report": "flow_run_report",
-    "SizingHint": "sizing",
+    "UnhealthyGPUError": "errors",
+    "Route": "flow.routing",
+    "MemoryProbe": "worker.probe",
+    "MemorySample": "worker.probe",
+    "NvmlProbe": "worker.probe",
+    "TagRouter": "flow.routing",
+    "parse_gpu_tag": "flow.routing",
+    "array_module": "worker.arrays",
+    "gpu_available": "worker.arrays",
+    "compute_on_gpus": "worker.compute",
+    "FlowRunGPUReport": "flow.flow_run_report",
+    "read_flow_run_gpu_report": "flow.flow_run_report",
+    "aread_flow_run_gpu_report": "flow.flow_run_report",
+    "SizingHint": "flow.sizing",
 }
 __all__ = [
     "FlowRunGPUReport",

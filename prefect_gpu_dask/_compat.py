@@ -1,4 +1,5 @@
-"""Every private Prefect, Dask and NVML API this package uses, in one place.
+"""Every private Prefect, Dask and NVML API this package uses, in one place, and the
+one way it asks distributed which worker it runs on.
 
 Each entry says why it is needed and which public API would replace it. Nothing else
 in the package reaches into another library's private names; when an upstream release
@@ -42,6 +43,19 @@ def future_final_state(future: Any) -> Any:
 # -- distributed -----------------------------------------------------------------
 
 
+def current_worker() -> Any:
+    """The Dask worker this code runs in (a task's thread or the worker's event loop),
+    or None outside any worker. Public replacement: a ``distributed.get_worker()`` that
+    returns None instead of raising ``ValueError``.
+    """
+    import distributed
+
+    try:
+        return distributed.get_worker()
+    except ValueError:
+        return None
+
+
 def reschedule(dask_scheduler: Any, key: str, worker: str, stimulus_id: str) -> None:
     """Send a task a worker holds but never started back to the scheduler.
 
@@ -56,7 +70,7 @@ def spec_cluster_of(dask_scheduler: Any) -> Any:
     is, when it lives in the scheduler's process; else None.
 
     Needed because such a cluster may close a restarting worker's nanny (see
-    ``recycling.scheduler.replacements``). Public replacement: a scheduler-side hook to
+    ``scheduler.recycling.replacements``). Public replacement: a scheduler-side hook to
     reach the cluster that owns it, or a ``SpecCluster`` that cancels the lost-worker
     timer of a name once a worker of that name registers again.
     """
@@ -79,7 +93,7 @@ def bytes_sent(comm: Any) -> int | None:
 def drop_resource_restrictions(dask_scheduler: Any, keys: list[str], stimulus_id: str) -> list[str]:
     """Let tasks not started yet run without their resource restrictions.
 
-    Used when no worker offering a task's resources joined in time (``fallback``).
+    Used when no worker offering a task's resources joined in time (``scheduler.fallback``).
     Public replacement: a ``Scheduler.set_restrictions`` for resources (it takes worker
     restrictions only).
     """
@@ -140,12 +154,10 @@ async def run_on_scheduler_from_worker(dask_worker: Any, function: Any, **kwargs
 def current_task_restrictions() -> dict[str, float] | None:
     """In a Dask task: the resources it asked for. Public replacement: a task-level
     ``get_task_resources()`` (the worker keeps them on its state machine's task)."""
-    import distributed
-
+    worker = current_worker()
     try:
-        worker = distributed.get_worker()
         ts = worker.state.tasks.get(worker.get_current_task())
-    except (ValueError, AttributeError, KeyError):
+    except (AttributeError, KeyError):  # not in a task (or outside any worker)
         return None
     return ts.resource_restrictions if ts is not None else None
 

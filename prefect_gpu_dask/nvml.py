@@ -1,7 +1,11 @@
-"""Tiny NVML helpers around one lazy, per-process ``nvmlInit``.
+"""Small NVML readers around one lazy, per-process ``nvmlInit``.
 
-Nothing here creates a CUDA context: NVML talks to the driver, not the runtime, so
-counting GPUs on the flow host never grabs device memory.
+Each reader returns None where the GPU, its driver or the bindings do not support the
+reading (NVML's ``NOT_SUPPORTED`` or ``FUNCTION_NOT_FOUND``), as distributed's own
+readers do, and raises ``pynvml.NVMLError`` for any other failure: what such a failure
+means is the caller's to say (the health checks report it, a task's activity goes
+without the reading). Nothing here creates a CUDA context: NVML talks to the driver,
+not the runtime, so counting GPUs on the flow host never grabs device memory.
 """
 
 from __future__ import annotations
@@ -45,31 +49,44 @@ def worker_device_handle() -> Any:
     return _compat.nvml_worker_handle()
 
 
-def device_uuid(handle: Any) -> str:
+def _read(query: str, handle: Any, *args: Any) -> Any:
+    """``pynvml.<query>(handle, *args)``, or None where it is not supported."""
     import pynvml
 
-    uuid = pynvml.nvmlDeviceGetUUID(handle)
-    return uuid.decode() if isinstance(uuid, bytes) else uuid
+    function = getattr(pynvml, query, None)
+    if function is None:  # bindings older than the query
+        return None
+    try:
+        return function(handle, *args)
+    except pynvml.NVMLError as error:
+        if error.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+            return None
+        raise
 
 
-def device_name(handle: Any) -> str:
-    import pynvml
-
-    name = pynvml.nvmlDeviceGetName(handle)
-    return name.decode() if isinstance(name, bytes) else name
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
-def device_index(handle: Any) -> int:
-    import pynvml
-
-    return int(pynvml.nvmlDeviceGetIndex(handle))
+# -- identity and memory -------------------------------------------------------------
 
 
-def device_memory(handle: Any) -> DeviceMemory:
-    import pynvml
+def device_uuid(handle: Any) -> str | None:
+    return _text(_read("nvmlDeviceGetUUID", handle))
 
-    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    return DeviceMemory(used=int(info.used), total=int(info.total))
+
+def device_name(handle: Any) -> str | None:
+    return _text(_read("nvmlDeviceGetName", handle))
+
+
+def device_index(handle: Any) -> int | None:
+    index = _read("nvmlDeviceGetIndex", handle)
+    return None if index is None else int(index)
+
+
+def device_memory(handle: Any) -> DeviceMemory | None:
+    info = _read("nvmlDeviceGetMemoryInfo", handle)
+    return None if info is None else DeviceMemory(used=int(info.used), total=int(info.total))
 
 
 def process_memory(handle: Any, pid: int) -> int:
@@ -120,3 +137,110 @@ def _compute_processes(handle: Any) -> Sequence[Any]:
         buffer = _buffers.buffer = (entry * (2 * count.value + 5))()  # room for newcomers
     check(status)
     return buffer[: count.value]
+
+
+# -- activity: power, temperature, clocks, utilisation, energy ------------------------
+
+
+def power_mw(handle: Any) -> int | None:
+    return _read("nvmlDeviceGetPowerUsage", handle)
+
+
+def temperature_c(handle: Any) -> int | None:
+    import pynvml
+
+    return _read("nvmlDeviceGetTemperature", handle, pynvml.NVML_TEMPERATURE_GPU)
+
+
+def clock_event_reasons(handle: Any) -> int | None:
+    """Why the GPU's clocks are held down now (a bitmask), through the older "throttle
+    reasons" name where the driver lacks the new one."""
+    reasons = _read("nvmlDeviceGetCurrentClocksEventReasons", handle)
+    return reasons if reasons is not None else _read("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+
+
+def hardware_slowdown_mask() -> int:
+    """The bits of ``clock_event_reasons`` that are the GPU's own slowdown signals."""
+    import pynvml
+
+    mask = 0
+    for bit in ("HwSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"):
+        mask |= getattr(pynvml, f"nvmlClocksEventReason{bit}", None) or getattr(
+            pynvml, f"nvmlClocksThrottleReason{bit}"
+        )
+    return mask
+
+
+def utilization_percent(handle: Any) -> int | None:
+    """The whole GPU's latest SM utilisation."""
+    rates = _read("nvmlDeviceGetUtilizationRates", handle)
+    return None if rates is None else int(rates.gpu)
+
+
+def energy_mj(handle: Any) -> int | None:
+    """The device's energy counter, millijoules since the driver loaded."""
+    return _read("nvmlDeviceGetTotalEnergyConsumption", handle)
+
+
+def process_utilization(handle: Any, since_us: int) -> list[tuple[float, int, int]] | None:
+    """(time, pid, SM %) samples of each process since ``since_us``; [] where none was
+    sampled (no process used the GPU)."""
+    import pynvml
+
+    try:
+        samples = _read("nvmlDeviceGetProcessUtilization", handle, since_us)
+    except pynvml.NVMLError as error:
+        if error.value == pynvml.NVML_ERROR_NOT_FOUND:
+            return []
+        raise
+    return None if samples is None else [(s.timeStamp / 1e6, s.pid, int(s.smUtil)) for s in samples]
+
+
+def utilization_samples(handle: Any, since_us: int) -> list[tuple[float, int]] | None:
+    """(time, SM %) samples of the whole GPU since ``since_us``."""
+    import pynvml
+
+    answer = _read("nvmlDeviceGetSamples", handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since_us)
+    return None if answer is None else [(s.timeStamp / 1e6, int(s.sampleValue.uiVal)) for s in answer[1]]
+
+
+# -- health: ECC, page retirement, row remapping ---------------------------------------
+
+
+def ecc_volatile_uncorrectable(handle: Any) -> int | None:
+    """Uncorrectable ECC errors since the last reset."""
+    import pynvml
+
+    errors = _read(
+        "nvmlDeviceGetTotalEccErrors",
+        handle,
+        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        pynvml.NVML_VOLATILE_ECC,
+    )
+    return None if errors is None else int(errors)
+
+
+def ecc_enabled(handle: Any) -> bool | None:
+    import pynvml
+
+    mode = _read("nvmlDeviceGetEccMode", handle)
+    return None if mode is None else mode[0] == pynvml.NVML_FEATURE_ENABLED
+
+
+def retired_pages_pending(handle: Any) -> bool | None:
+    """Pages waiting to be retired at the next reset (GPUs before Ampere)."""
+    import pynvml
+
+    pending = _read("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+    return None if pending is None else pending == pynvml.NVML_FEATURE_ENABLED
+
+
+class RemappedRows(NamedTuple):
+    pending: bool
+    failed: bool
+
+
+def remapped_rows(handle: Any) -> RemappedRows | None:
+    """Row remapping (Ampere and later): one waiting for the next reset, or one that failed."""
+    rows = _read("nvmlDeviceGetRemappedRows", handle)
+    return None if rows is None else RemappedRows(pending=bool(rows[2]), failed=bool(rows[3]))

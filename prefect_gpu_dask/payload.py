@@ -1,11 +1,9 @@
-"""What the Dask scheduler sees of a Prefect task run: a function of this module and
-opaque blobs.
+"""What travels with a Prefect task run to its worker, past the scheduler: opaque blobs.
 
-The scheduler unpickles every task it is sent. This module imports nothing of
-Prefect's, and the task's Prefect objects travel sealed as bytes, so a scheduler never
-imports Prefect (nor needs it installed); a worker loads Prefect with its first task
-run. Only what Dask must see stays open: the parameters (they may hold futures) and
-the futures to wait for.
+The scheduler unpickles every task it is sent. The task's Prefect objects travel here
+sealed as bytes, so a scheduler never imports Prefect (nor needs it installed). Only
+what Dask must see stays open: the parameters (they may hold futures) and the futures
+to wait for. The function they are sent to is ``worker.entry.run_prefect_task``.
 """
 
 from __future__ import annotations
@@ -38,10 +36,3 @@ def _shared_from(token: str, blob: bytes) -> Shared:
 def seal(**prefect_objects: Any) -> bytes:
     """This task run's own Prefect objects (its inputs, its run context), as bytes."""
     return cloudpickle.dumps(prefect_objects)
-
-
-def run_prefect_task(*, task: Shared, sealed: bytes, **run_kwargs: Any) -> Any:
-    """The Dask task of every Prefect task run; returns the run's final ``State``."""
-    from prefect_gpu_dask.submission import run_task_run  # Prefect loads here, on the worker
-
-    return run_task_run(task=task, **cloudpickle.loads(sealed), **run_kwargs)

@@ -1,6 +1,6 @@
 """The typed records: what the guard saw around one task, and what one restart did.
 
-A ``TaskRecord`` is built on the worker (``guard.py``), travels to the flow as a Dask
+A ``TaskRecord`` is built on the worker (``worker.guard``), travels to the flow as a Dask
 worker event (a plain dict on the wire: ``to_event``/``from_event``) and is read by
 attribute everywhere after. A ``RestartRecord`` is built on the flow side by the
 recycler. Byte figures are ints; ``dask.utils.format_bytes`` makes them readable.
@@ -19,6 +19,12 @@ VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 HUNG_TOPIC = "prefect-gpu-dask-hung"
 UNHEALTHY_TOPIC = "prefect-gpu-dask-unhealthy"
+# Worker event topic, worker -> scheduler: a task run's engine is starting on this worker.
+STARTED_TOPIC = "prefect-gpu-dask.task-run-started"
+# Task annotations the scheduler sets for the next worker: the worker that died running
+# this task run, and whether it had started it there (not merely queued it).
+INTERRUPTED = "prefect-gpu-dask-worker-died"
+STARTED_THERE = "prefect-gpu-dask-started-on-dead-worker"
 # TaskRecord fields that count bytes: tables show them readable and keep the number beside.
 BYTE_FIELDS = (
     "before",

@@ -8,15 +8,16 @@ Prefect: a worker unpickling the plugin stays light.
 
 from __future__ import annotations
 
-import importlib
+import ipaddress
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from dask.utils import parse_bytes
 
-from prefect_gpu_dask.routing import validate_tag_resources
+from prefect_gpu_dask.resources import GPU_TAG, MEMORY_TAG, MODEL_TAG, Resources
 
 OnMissingGPU = Literal["cpu", "error"]
 GuardScope = Literal["gpu", "all", "off"]
@@ -46,6 +47,86 @@ def parse_threshold(value: int | str) -> int:
     return parsed
 
 
+def _amount(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: resource amount {value!r} is not a number")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: resource amount {value!r} must be a positive number")
+    return float(value)
+
+
+def validate_tag_resources(tag_resources: Mapping[str, Mapping[str, float]] | None) -> dict:
+    """Check a user tag map like ``{"nvme": {"NVME": 1}}``; return a clean copy."""
+    if tag_resources is None:
+        return {}
+    if not isinstance(tag_resources, Mapping):
+        raise ValueError(f"tag_resources must be a mapping of tag -> resources, got {tag_resources!r}")
+    clean: dict[str, Resources] = {}
+    for tag, resources in tag_resources.items():
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"tag_resources: tag {tag!r} must be a non-empty string")
+        if tag == GPU_TAG or tag.startswith((GPU_TAG + ":", MODEL_TAG + ":", MEMORY_TAG + ":")):
+            raise ValueError(f"tag_resources: tag {tag!r} is reserved for GPU routing")
+        if not isinstance(resources, Mapping) or not resources:
+            raise ValueError(
+                f"tag_resources[{tag!r}]: {resources!r} must be a non-empty mapping "
+                "of resource name -> amount"
+            )
+        clean[tag] = {}
+        for name, amount in resources.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tag_resources[{tag!r}]: resource name {name!r} is invalid")
+            clean[tag][name] = _amount(amount, f"tag_resources[{tag!r}][{name!r}]")
+    return clean
+
+
+# Schemes distributed can speak; anything else is a typo refused up front.
+KNOWN_SCHEMES = {"tcp", "tls", "ucx", "ucxx", "inproc", "ws", "wss"}
+PLAINTEXT_SCHEMES = {"tcp", "ws", "ucx", "ucxx"}
+
+
+def check_connection(address: str | None, security: Any, allow_insecure: bool) -> None:
+    """The runner's ``address`` and ``security``: a ``distributed.Security`` or None, a
+    known scheme, and no plaintext to a non-loopback host unless ``allow_insecure``."""
+    import distributed
+
+    if security is not None and not isinstance(security, distributed.Security):
+        raise ValueError(f"security={security!r} is not a distributed.Security")
+    if address:
+        _check_address(
+            address,
+            secure=security is not None and bool(security.require_encryption or address.startswith("tls")),
+            allow_insecure=allow_insecure,
+        )
+
+
+def _check_address(address: str, *, secure: bool, allow_insecure: bool) -> None:
+    """Refuse unknown schemes, and plaintext to a non-loopback host unless opted in."""
+    scheme, _, rest = address.rpartition("://")
+    scheme = scheme or "tcp"
+    if scheme not in KNOWN_SCHEMES:
+        raise ValueError(
+            f"address {address!r}: unknown scheme {scheme!r} "
+            f"(expected one of {', '.join(sorted(KNOWN_SCHEMES))})"
+        )
+    host = urlsplit(f"//{rest}").hostname or ""
+    if scheme in PLAINTEXT_SCHEMES and not secure and not allow_insecure and not is_loopback(host):
+        raise ValueError(
+            f"address {address!r}: refusing a plaintext {scheme}:// connection to a "
+            "non-loopback host. Use tls:// with security=distributed.Security(...), "
+            "or pass allow_insecure=True if the network is private and firewalled."
+        )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 ProbeFactory = Callable[[], Any]
 
 
@@ -57,14 +138,6 @@ def _check_probe(value: str | ProbeFactory | None) -> None:
         raise ValueError(
             f"memory_probe {value!r} is neither a callable nor an import path like 'package.module:factory'"
         )
-
-
-def resolve_probe_factory(value: str | ProbeFactory) -> ProbeFactory:
-    """The factory named by ``"package.module:factory"`` (imported where it runs)."""
-    if callable(value):
-        return value
-    module, _, name = value.rpartition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -142,11 +215,3 @@ class RunnerSettings:
     def arguments(self) -> dict[str, Any]:
         """The runner's constructor arguments these settings came from (validated form)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settle_s"}
-
-    def open_probe(self) -> Any:
-        """This worker's ``MemoryProbe``: ``memory_probe``'s, else NVML's (None without a GPU)."""
-        if self.memory_probe is None:
-            from prefect_gpu_dask.probe import open_probe
-
-            return open_probe()
-        return resolve_probe_factory(self.memory_probe)()

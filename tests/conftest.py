@@ -110,10 +110,10 @@ class DaskProcesses:
 
     def start_worker(self, name: str, *extra: str, fork: bool = False) -> None:
         """``fork``: the nanny forks its worker processes from a preloaded server
-        (``--preload-nanny prefect_gpu_dask.nanny``) instead of spawning them, as a
+        (``--preload-nanny prefect_gpu_dask.worker.nanny``) instead of spawning them, as a
         plain ``dask worker`` does. It costs the nanny the imports up front, which
         only restarts win back."""
-        preload = ["--preload-nanny", "prefect_gpu_dask.nanny"] if fork else []
+        preload = ["--preload-nanny", "prefect_gpu_dask.worker.nanny"] if fork else []
         self._spawn(
             "worker",
             self.address,

@@ -17,9 +17,9 @@ import time
 import weakref
 from pathlib import Path
 
-from prefect_gpu_dask.activity import Instant, Tick
-from prefect_gpu_dask.health import HealthReadings
-from prefect_gpu_dask.probe import AllocatorBytes, GPUIdentity, MemorySample
+from prefect_gpu_dask.worker.activity import Instant, Tick
+from prefect_gpu_dask.worker.health import HealthReadings
+from prefect_gpu_dask.worker.probe import AllocatorBytes, GPUIdentity, MemorySample
 
 TOTAL = 16 * 2**30
 LEAKED: list[FakeBlock] = []

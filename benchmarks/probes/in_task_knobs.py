@@ -20,7 +20,7 @@ def variants_in_worker():
     from common import check_cube, speed_cube_expr
 
     from prefect_gpu_dask import compute_on_gpus
-    from prefect_gpu_dask.guard import current_guard
+    from prefect_gpu_dask.worker.guard import current_guard
 
     def bare():
         check_cube(compute_on_gpus(speed_cube_expr(N, CHUNK, True))[0])
@@ -63,9 +63,9 @@ def main():
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
-    from prefect_gpu_dask.guard import GPUMemoryGuard
+    from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
     from prefect_gpu_dask.settings import RunnerSettings
+    from prefect_gpu_dask.worker.guard import GPUMemoryGuard
 
     with (
         LocalCUDACluster(threads_per_worker=GPU_WORKER_THREADS, resources={"GPU": 1}) as cluster,

@@ -37,7 +37,7 @@ def measure(code: str) -> dict[str, int]:
     import pynvml
 
     from prefect_gpu_dask import nvml
-    from prefect_gpu_dask.guard import release_allocator_caches
+    from prefect_gpu_dask.worker.guard import release_allocator_caches
 
     cupy.cuda.runtime.memGetInfo()  # the context is no library's cost (except the first row's)
     handle = nvml.worker_device_handle()

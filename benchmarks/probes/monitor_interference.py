@@ -22,9 +22,9 @@ def main() -> None:
     import cupy
     from common import check_cube, p95, speed_cube_expr
 
-    from prefect_gpu_dask.activity import ActivityWatch
-    from prefect_gpu_dask.guard import PeakSampler
-    from prefect_gpu_dask.probe import open_probe
+    from prefect_gpu_dask.worker.activity import ActivityWatch
+    from prefect_gpu_dask.worker.guard import PeakSampler
+    from prefect_gpu_dask.worker.probe import open_probe
 
     cupy.zeros(1)
     probe = open_probe()

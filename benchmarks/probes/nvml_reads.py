@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
 
 from prefect_gpu_dask import nvml  # noqa: E402
-from prefect_gpu_dask.probe import open_probe  # noqa: E402
+from prefect_gpu_dask.worker.probe import open_probe  # noqa: E402
 
 
 def median_us(fn, n=3000):

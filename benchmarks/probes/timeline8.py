@@ -47,8 +47,8 @@ def timeline(n, chunk, variant):
     from dask.base import collections_to_expr, unpack_collections
     from dask.core import flatten
 
-    from prefect_gpu_dask.compute import TASKS_BASED, _threads, split_graph
-    from prefect_gpu_dask.routing import gpu_workers as _gpu_workers
+    from prefect_gpu_dask.worker.compute import TASKS_BASED, _threads, split_graph
+    from prefect_gpu_dask.worker.compute import gpu_workers as _gpu_workers
 
     T0 = time.time()
     tm = {}
@@ -116,7 +116,7 @@ def main():
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
+    from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
 
     for k in sorted({1, 2, 4, count}):
         devs = ",".join(map(str, range(k)))

@@ -11,7 +11,7 @@ from typing import Any
 
 from benchmarks.common import Options, check_cube, median_of, runs_of, speed_cube_expr, spread
 from benchmarks.servers import on_postgres
-from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
+from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from benchmarks.common import Options, check_cube, median_of, speed_cube_expr
 from benchmarks.sections.cube import cube_through_runner
-from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
+from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:

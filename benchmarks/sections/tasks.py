@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from benchmarks.common import WARM_TASKS, Options
-from prefect_gpu_dask.cluster import GPU_WORKER_THREADS
+from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:

@@ -25,7 +25,7 @@ from prefect.automations import (
     SendNotification,
 )
 
-from prefect_gpu_dask.reporting import LEAK_EVENT
+from prefect_gpu_dask.flow.reporting import LEAK_EVENT
 
 NAME = "prefect-gpu-dask-leak-notify"
 SUBJECT = "GPU memory leak in {{ flow_run.name }}"

@@ -17,8 +17,8 @@ from dask.core import flatten
 from distributed import Client, Event, LocalCluster, get_task_stream
 
 from prefect_gpu_dask import compute_on_gpus
-from prefect_gpu_dask.compute import split_graph
-from prefect_gpu_dask.recycling.worker import drain, resume
+from prefect_gpu_dask.worker.compute import split_graph
+from prefect_gpu_dask.worker.recycling import drain, resume
 
 
 def speed_cube(seed: int, n: int = 2000, chunk: int = 250):

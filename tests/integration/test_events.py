@@ -23,8 +23,9 @@ from prefect.server.events.schemas.automations import EventTrigger as ServerEven
 from prefect.server.events.schemas.events import ReceivedEvent as ServerReceivedEvent
 from prefect.variables import Variable
 
-from prefect_gpu_dask import read_flow_run_gpu_report, sizing
-from prefect_gpu_dask.reporting import LEAK_EVENT, RESTART_EVENT
+from prefect_gpu_dask import read_flow_run_gpu_report
+from prefect_gpu_dask.flow import sizing
+from prefect_gpu_dask.flow.reporting import LEAK_EVENT, RESTART_EVENT
 from tests.scripted_probe import FakeDeviceProbe
 from tests.ui_helpers import LEAK_BYTES, read_events, run_leaking_flow, start_guarded_cluster
 

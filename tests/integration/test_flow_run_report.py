@@ -18,7 +18,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterTaskRunId
 
 from prefect_gpu_dask import GPUDaskTaskRunner, read_flow_run_gpu_report
-from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
+from prefect_gpu_dask.flow.reporting import SUMMARY_KEY, TABLE_KEY
 from tests.scripted_probe import FAKE_PROBE
 from tests.ui_helpers import LEAK_BYTES, clean, start_guarded_cluster
 

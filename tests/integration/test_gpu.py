@@ -161,8 +161,9 @@ def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():
     assert restart.serving_s < 10
 
     # -- read back from the API; the summary's hint and picture from real readings --
-    from prefect_gpu_dask import read_flow_run_gpu_report, sizing
-    from prefect_gpu_dask.chart import memory_timeline_svg
+    from prefect_gpu_dask import read_flow_run_gpu_report
+    from prefect_gpu_dask.flow import sizing
+    from prefect_gpu_dask.flow.chart import memory_timeline_svg
 
     deadline = time.monotonic() + 30
     while not (report := read_flow_run_gpu_report(flow_run_id)).restarts and time.monotonic() < deadline:
@@ -236,7 +237,7 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
 
     code = (
         "import cupy; cupy.zeros(1)\n"
-        "from prefect_gpu_dask.probe import open_probe\n"
+        "from prefect_gpu_dask.worker.probe import open_probe\n"
         "p = open_probe(); full, cheap = p.sample(), p.sample_process()\n"
         "assert full.process > 0 and cheap.process == full.process, (full, cheap)\n"
         "assert (cheap.device_used, cheap.device_total) == (0, 0) and full.device_total > 0\n"
@@ -377,7 +378,7 @@ def test_workers_advertise_their_gpu_model_and_memory_and_tags_route_on_them():
     from prefect import tags
 
     from prefect_gpu_dask import nvml
-    from prefect_gpu_dask.routing import model_resource, model_slug
+    from prefect_gpu_dask.resources import model_resource, model_slug
 
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -407,7 +408,7 @@ def test_workers_advertise_their_gpu_model_and_memory_and_tags_route_on_them():
 def health_on_this_worker(checks: int) -> dict:
     import statistics
 
-    from prefect_gpu_dask.guard import current_guard
+    from prefect_gpu_dask.worker.guard import current_guard
 
     watch = current_guard().health
     timings = []

@@ -25,7 +25,7 @@ from prefect.client.schemas.filters import (
 from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner
-from prefect_gpu_dask.recycling.worker import drain
+from prefect_gpu_dask.worker.recycling import drain
 from tests.scripted_probe import FAKE_PROBE, churn, leak, native, native_once
 
 MiB = 2**20

@@ -17,7 +17,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner
-from prefect_gpu_dask.reporting import SUMMARY_KEY, UNHEALTHY_EVENT
+from prefect_gpu_dask.flow.reporting import SUMMARY_KEY, UNHEALTHY_EVENT
 from tests.scripted_probe import FAKE_PROBE, HEALTH_DIR_ENV, make_sick
 from tests.ui_helpers import read_events
 

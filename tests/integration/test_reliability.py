@@ -181,7 +181,7 @@ def test_a_worker_dying_before_the_api_heard_of_the_run_still_crashes_it_once(pr
 
 
 def started_then_killed(ledger: str) -> tuple[str | None, bool]:
-    from prefect_gpu_dask.recycling.worker import announce_start
+    from prefect_gpu_dask.worker.recycling import announce_start
 
     dead, started_there = announce_start()
     if dead is None:
@@ -193,13 +193,13 @@ def started_then_killed(ledger: str) -> tuple[str | None, bool]:
 
 
 def queued_behind(_: int) -> tuple[str | None, bool]:
-    from prefect_gpu_dask.recycling.worker import announce_start
+    from prefect_gpu_dask.worker.recycling import announce_start
 
     return announce_start()
 
 
 def test_the_scheduler_tells_a_started_task_from_a_queued_one_on_a_dead_worker(procs, tmp_path):
-    from prefect_gpu_dask.recycling.scheduler import InterruptedTasks
+    from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 
     address = procs.start_scheduler()
     procs.start_worker("gpu-worker", "--nthreads", "1", "--resources", "GPU=1")

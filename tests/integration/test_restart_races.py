@@ -1,8 +1,8 @@
 """The recycler against the races a real cluster produces.
 
-Each test drives ``recycling.flow.Recycler`` on a real ``LocalCluster`` (worker
+Each test drives ``flow.recycling.Recycler`` on a real ``LocalCluster`` (worker
 processes under nannies) the way the runner does after a guard verdict: the worker
-drains (``recycling.worker.drain``), the recycler is asked to restart it.
+drains (``worker.recycling.drain``), the recycler is asked to restart it.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import RestartRecord, compute_on_gpus
 from prefect_gpu_dask._compat import future_final_state
-from prefect_gpu_dask.guard import PLUGIN_NAME
-from prefect_gpu_dask.recycling.flow import RecyclableFuture, Recycler, move_into_flow
-from prefect_gpu_dask.recycling.worker import drain
+from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, move_into_flow
+from prefect_gpu_dask.worker.recycling import drain
 
 
 def recycler(client: Client) -> Recycler:
-    return Recycler(client, "worker", guard_name=PLUGIN_NAME, logger=logging.getLogger("test-restarts"))
+    return Recycler(client, "worker", logger=logging.getLogger("test-restarts"))
 
 
 def recycle(rc: Recycler, worker: str, timeout: float = 30) -> RestartRecord:

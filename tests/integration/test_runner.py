@@ -13,8 +13,8 @@ from distributed import Client
 from prefect import flow, tags, task
 from prefect.states import State
 
-from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, routing
-from prefect_gpu_dask import cluster as clusters
+from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, forkserver
+from prefect_gpu_dask.flow import routing
 from tests.conftest import task_run_logs, worker_process_state
 
 
@@ -180,7 +180,7 @@ def test_local_workers_fork_from_a_preloaded_server():
 
 
 def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch):
-    clusters.worker_start_method()  # the fork server is running, with today's environment
+    forkserver.worker_start_method()  # the fork server is running, with today's environment
     mark = uuid.uuid4().hex
     monkeypatch.setenv("PREFECT_GPU_DASK_TEST_MARK", mark)
     parent, seen = _local_worker_parent_and_mark()
@@ -188,7 +188,7 @@ def test_local_workers_spawn_when_the_environment_changed_since_the_server_start
 
 
 def test_remote_workers_with_the_nanny_preload_fork_from_a_preloaded_server(dask_processes):
-    """``dask worker --preload-nanny prefect_gpu_dask.nanny``: the first worker process
+    """``dask worker --preload-nanny prefect_gpu_dask.worker.nanny``: the first worker process
     and its replacement after a restart fork from a server that already imported
     Prefect (the nanny itself imports none of it); a plain ``dask worker`` spawns one
     that has not."""

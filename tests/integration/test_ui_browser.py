@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefect_gpu_dask.chart import WIDTH
-from prefect_gpu_dask.reporting import SUMMARY_KEY, TABLE_KEY
+from prefect_gpu_dask.flow.chart import WIDTH
+from prefect_gpu_dask.flow.reporting import SUMMARY_KEY, TABLE_KEY
 from tests.servers import migrated_sqlite
 from tests.ui_helpers import LEAK_BYTES, HeadlessChromium, start_guarded_cluster
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from prefect_gpu_dask.activity import DEVICE, PROCESS, ActivityWatch, Instant, Tick, _Open, judge
+from prefect_gpu_dask.worker.activity import DEVICE, PROCESS, ActivityWatch, Instant, Tick, _Open, judge
 
 
 def test_energy_is_the_counter_between_ticks_stretched_to_the_task_by_its_power():

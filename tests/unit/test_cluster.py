@@ -1,6 +1,6 @@
 import distributed
 
-from prefect_gpu_dask.cluster import local_cluster_kwargs
+from prefect_gpu_dask.flow.cluster import local_cluster_kwargs
 
 
 class NarrowCluster(distributed.LocalCluster):
@@ -22,12 +22,12 @@ def test_loopback_defaults_only_where_the_class_takes_them():
 def test_clusters_forking_at_once_hand_the_start_method_back_to_the_user(monkeypatch):
     import dask
 
-    from prefect_gpu_dask import cluster
-    from prefect_gpu_dask.cluster import START_METHOD_KEY, worker_processes, worker_start_method
+    from prefect_gpu_dask import forkserver
+    from prefect_gpu_dask.forkserver import START_METHOD_KEY, worker_processes, worker_start_method
 
     assert dask.config.get(START_METHOD_KEY) == "spawn"
     worker_start_method()  # the server runs; earlier tests here may have changed the environment since
-    monkeypatch.setattr(cluster, "_fork_server_surroundings", cluster._surroundings())
+    monkeypatch.setattr(forkserver, "_fork_server_surroundings", forkserver._surroundings())
     first, second = worker_processes(), worker_processes()
     assert first.__enter__() == second.__enter__() == "forkserver"
     assert dask.config.get(START_METHOD_KEY) == "forkserver"

@@ -9,8 +9,9 @@ from collections.abc import Iterable
 
 import pytest
 
-from prefect_gpu_dask import health, nvml
-from prefect_gpu_dask.health import (
+from prefect_gpu_dask import nvml
+from prefect_gpu_dask.worker import health
+from prefect_gpu_dask.worker.health import (
     CRITICAL_XIDS,
     WARNING_XIDS,
     HealthMonitor,

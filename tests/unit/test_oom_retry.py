@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect_gpu_dask.oom_retry import choose
+from prefect_gpu_dask.worker.oom_retry import choose
 
 GiB = 2**30
 

@@ -2,15 +2,9 @@ import pickle
 
 import pytest
 
-from prefect_gpu_dask.routing import (
-    Route,
-    TagRouter,
-    WorkerOffers,
-    parse_gpu_tag,
-    satisfiable,
-    validate_tag_resources,
-)
-from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.flow.routing import Route, TagRouter, WorkerOffers, parse_gpu_tag
+from prefect_gpu_dask.resources import satisfiable
+from prefect_gpu_dask.settings import RunnerSettings, validate_tag_resources
 
 
 @pytest.mark.parametrize(
@@ -124,14 +118,14 @@ def test_model_and_memory_tags_are_reserved():
     ],
 )
 def test_model_slugs_from_nvml_names(name, slug):
-    from prefect_gpu_dask.routing import model_slug
+    from prefect_gpu_dask.resources import model_slug
 
     assert model_slug(name) == slug
 
 
 def test_labels_a_worker_adds_what_it_lacks():
-    from prefect_gpu_dask.labels import labels_for
-    from prefect_gpu_dask.probe import GPUIdentity
+    from prefect_gpu_dask.worker.labels import labels_for
+    from prefect_gpu_dask.worker.probe import GPUIdentity
 
     h200 = GPUIdentity(0, "GPU-1", "NVIDIA H200", 141 * 2**30)
     assert labels_for({}, h200) == {"GPU": 1.0, "GPU-H200": 1.0, "GPU-MEM": 141.0 * 2**30}

@@ -9,9 +9,9 @@ from dataclasses import fields
 
 import pytest
 
-from prefect_gpu_dask import chart, sizing
+from prefect_gpu_dask.flow import chart, sizing
+from prefect_gpu_dask.flow.reporting import TABLE_COLUMNS, summary_markdown, table_rows
 from prefect_gpu_dask.records import TaskRecord
-from prefect_gpu_dask.reporting import TABLE_COLUMNS, summary_markdown, table_rows
 
 GiB = 2**30
 H200 = 141 * GiB

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefect_gpu_dask.probe import AllocatorBytes, MemorySample
 from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY
 from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.verdict import restart_reason, verdict_for
+from prefect_gpu_dask.worker.probe import AllocatorBytes, MemorySample
+from prefect_gpu_dask.worker.verdict import restart_reason, verdict_for
 from tests.scripted_probe import ScriptedProbe
 
 MiB = 2**20
@@ -196,7 +196,7 @@ class TwoReadingsProbe(ScriptedProbe):
 def started_guard(probe):
     import asyncio
 
-    from prefect_gpu_dask.guard import GPUMemoryGuard
+    from prefect_gpu_dask.worker.guard import GPUMemoryGuard
 
     class Worker:
         address = name = "tcp://127.0.0.1:1"
@@ -257,7 +257,7 @@ class ClockProbe:
 def test_peak_sampler_catches_a_spike_and_backs_off_on_long_tasks():
     import time
 
-    from prefect_gpu_dask.guard import PeakSampler
+    from prefect_gpu_dask.worker.guard import PeakSampler
 
     probe = ClockProbe(spike_from=0.02, spike_to=0.12)
     sampler = PeakSampler(probe, interval_s=0.005, max_interval_s=0.1)
@@ -272,7 +272,7 @@ def test_peak_sampler_catches_a_spike_and_backs_off_on_long_tasks():
 def test_a_task_starting_after_a_long_one_is_watched_closely_from_its_start():
     import time
 
-    from prefect_gpu_dask.guard import PeakSampler
+    from prefect_gpu_dask.worker.guard import PeakSampler
 
     probe = ClockProbe(spike_from=10.0, spike_to=10.0)  # no spike during the long task
     sampler = PeakSampler(probe, interval_s=0.005, max_interval_s=1.0)
@@ -286,7 +286,7 @@ def test_a_task_starting_after_a_long_one_is_watched_closely_from_its_start():
 
 
 def test_a_process_reading_that_cannot_attribute_memory_falls_back_to_the_full_one():
-    from prefect_gpu_dask.probe import process_sampler
+    from prefect_gpu_dask.worker.probe import process_sampler
 
     class Unattributed(ScriptedProbe):
         def sample_process(self) -> MemorySample:
@@ -379,7 +379,7 @@ def _exception(module: str, name: str, base: type = Exception) -> type:
     ],
 )
 def test_cuda_out_of_memory_is_recognised_per_library(exc, library, requested):
-    from prefect_gpu_dask.verdict import out_of_memory
+    from prefect_gpu_dask.worker.verdict import out_of_memory
 
     found = out_of_memory(exc)
     assert found is not None and (found.library, found.requested) == (library, requested)
@@ -391,13 +391,13 @@ def test_cuda_out_of_memory_is_recognised_per_library(exc, library, requested):
 
 @pytest.mark.parametrize("exc", [ValueError("bad input"), MemoryError("host"), RuntimeError("out of time")])
 def test_other_failures_are_not_out_of_memory(exc):
-    from prefect_gpu_dask.verdict import out_of_memory
+    from prefect_gpu_dask.worker.verdict import out_of_memory
 
     assert out_of_memory(exc) is None
 
 
 def test_an_oom_whose_memory_comes_back_is_oom_without_a_restart():
-    from prefect_gpu_dask.verdict import OutOfMemory
+    from prefect_gpu_dask.worker.verdict import OutOfMemory
 
     oom = OutOfMemory("cupy", 200 * GiB, "Out of memory allocating ...")
     # The failed fill-until-OOM left 12 GiB in the pool; the flush gives it back.
@@ -418,7 +418,7 @@ def test_an_oom_whose_memory_comes_back_is_oom_without_a_restart():
 def test_a_failed_task_is_judged_after_its_frames_let_go(tmp_path):
     """A task that fails while its locals hold device memory is not a leak: the guard
     clears the traceback's frames before judging."""
-    from prefect_gpu_dask import guard as guard_module
+    from prefect_gpu_dask.worker import guard as guard_module
     from tests.scripted_probe import FakeBlock, FakeDeviceProbe
 
     class Worker:

@@ -11,7 +11,7 @@ FRESH_WORKER = """
 import prefect.logging.configuration as logging_configuration
 from prefect.context import FlowRunContext, TaskRunContext
 
-from prefect_gpu_dask.submission import prepare_process
+from prefect_gpu_dask.worker.taskrun import prepare_process
 
 def state():
     return (

@@ -6,13 +6,17 @@ scripted probe while the GPU machine drives it with NVML.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from prefect_gpu_dask import nvml
+
+T = TypeVar("T")
 
 
 class MemorySample(NamedTuple):
@@ -129,14 +133,17 @@ class NvmlProbe:
         self._handle = handle if handle is not None else nvml.worker_device_handle()
         self._pid = pid if pid is not None else os.getpid()
         self.gpu = GPUIdentity(
-            nvml.device_index(self._handle),
-            nvml.device_uuid(self._handle),
-            nvml.device_name(self._handle),
-            nvml.device_memory(self._handle).total,
+            _needed(nvml.device_index(self._handle), "index"),
+            _needed(nvml.device_uuid(self._handle), "UUID"),
+            nvml.device_name(self._handle) or "",
+            self._memory().total,
         )
 
+    def _memory(self) -> nvml.DeviceMemory:
+        return _needed(nvml.device_memory(self._handle), "memory")
+
     def sample(self) -> MemorySample:
-        device = nvml.device_memory(self._handle)
+        device = self._memory()
         return MemorySample(nvml.process_memory(self._handle, self._pid), device.used, device.total)
 
     def sample_process(self) -> MemorySample:
@@ -150,19 +157,61 @@ class NvmlProbe:
     def activity_reader(self) -> Any:
         """This GPU's utilisation, energy, temperature and throttling, for
         ``activity.ActivityWatch``."""
-        from prefect_gpu_dask.activity import NvmlActivity
+        from prefect_gpu_dask.worker.activity import NvmlActivity
 
         return NvmlActivity(self._handle, self._pid)
 
     def health_reader(self) -> Callable[[], Any]:
         """This GPU's health readings, for ``health.HealthMonitor``."""
-        from prefect_gpu_dask.health import NvmlHealthReader
+        from prefect_gpu_dask.worker.health import NvmlHealthReader
 
         return NvmlHealthReader(self._handle)
 
 
-def open_probe() -> NvmlProbe | None:
-    """An NVML probe for this process's GPU, or None on a host without one."""
+ProbeFactory = Callable[[], Any]
+
+
+def resolve_probe_factory(value: str | ProbeFactory) -> ProbeFactory:
+    """The factory named by ``"package.module:factory"`` (imported where it runs)."""
+    if callable(value):
+        return value
+    module, _, name = value.rpartition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _needed(reading: T | None, what: str) -> T:
+    """A reading the probe cannot do without (the guard is off on a GPU without it)."""
+    if reading is None:
+        raise RuntimeError(f"NVML does not read this GPU's {what}")
+    return reading
+
+
+def open_probe(memory_probe: str | ProbeFactory | None = None) -> MemoryProbe | None:
+    """This process's probe: the runner's ``memory_probe``'s, else an NVML probe of its
+    GPU (None on a host without one)."""
+    if memory_probe is not None:
+        return resolve_probe_factory(memory_probe)()
     if nvml.visible_gpu_count() == 0:
         return None
     return NvmlProbe()
+
+
+_opened: weakref.WeakKeyDictionary[Any, dict[Any, tuple[MemoryProbe | None, Exception | None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def worker_probe(worker: Any, memory_probe: str | ProbeFactory | None) -> MemoryProbe | None:
+    """``open_probe`` once per worker: its labels and its guard read the same probe (and
+    each hears what opening it raised)."""
+    key = memory_probe if memory_probe is None or isinstance(memory_probe, str) else id(memory_probe)
+    opened = _opened.setdefault(worker, {})
+    if key not in opened:
+        try:
+            opened[key] = (open_probe(memory_probe), None)
+        except Exception as exc:
+            opened[key] = (None, exc)
+    probe, error = opened[key]
+    if error is not None:
+        raise error
+    return probe

@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-logger = logging.getLogger("prefect_gpu_dask.activity")
+from prefect_gpu_dask import nvml
+
+logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
 PROCESS, DEVICE = "process", "device"
@@ -230,7 +232,9 @@ class ActivityWatch:
 
 
 class NvmlActivity:
-    """``ActivityReader`` over NVML for one GPU and one process."""
+    """``ActivityReader`` over NVML for one GPU and one process (``nvml``'s readers: a
+    reading the GPU does not support is None; one that fails fails the whole reading,
+    which ``ActivityWatch`` goes without)."""
 
     def __init__(self, handle: Any, pid: int):
         self._handle = handle
@@ -238,28 +242,17 @@ class NvmlActivity:
         self._seen_us = int(time.time() * 1e6)
         self._scope: str | None = PROCESS
 
-    def _call(self, name: str, *args: Any) -> Any:
-        import pynvml
-
-        try:
-            return getattr(pynvml, name)(self._handle, *args)
-        except (pynvml.NVMLError, AttributeError):
-            return None
-
     def instant(self) -> Instant:
-        import pynvml
-
-        reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons")
+        handle = self._handle
         return Instant(
             time.time(),
-            self._call("nvmlDeviceGetPowerUsage"),
-            self._call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU),
-            int(reasons or 0),
+            nvml.power_mw(handle),
+            nvml.temperature_c(handle),
+            int(nvml.clock_event_reasons(handle) or 0),
         )
 
     def device_utilization(self) -> int | None:
-        rates = self._call("nvmlDeviceGetUtilizationRates")
-        return None if rates is None else int(rates.gpu)
+        return nvml.utilization_percent(self._handle)
 
     def _utilization(self) -> tuple[tuple[tuple[float, int], ...], str | None]:
         import pynvml
@@ -267,27 +260,22 @@ class NvmlActivity:
         since, self._seen_us = self._seen_us, int(time.time() * 1e6)
         if self._scope == PROCESS:
             try:
-                samples = pynvml.nvmlDeviceGetProcessUtilization(self._handle, since)
-            except pynvml.NVMLError_NotFound:  # no samples since: the process was idle
-                return ((self._seen_us / 1e6, 0),), PROCESS
-            except pynvml.NVMLError:
-                self._scope = DEVICE  # per-process figures not supported here (MIG, vGPU)
-            else:
-                mine = tuple((s.timeStamp / 1e6, int(s.smUtil)) for s in samples if s.pid == self._pid)
-                return mine or ((self._seen_us / 1e6, 0),), PROCESS
-        try:
-            _, samples = pynvml.nvmlDeviceGetSamples(self._handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, since)
-        except pynvml.NVMLError:
-            return (), None
-        return tuple((s.timeStamp / 1e6, int(s.sampleValue.uiVal)) for s in samples), DEVICE
+                samples = nvml.process_utilization(self._handle, since)
+            except pynvml.NVMLError:  # e.g. no permission: the whole GPU's figures instead
+                samples = None
+            if samples is not None:
+                mine = tuple((at, percent) for at, pid, percent in samples if pid == self._pid)
+                return mine or ((self._seen_us / 1e6, 0),), PROCESS  # none: this process was idle
+            self._scope = DEVICE  # per-process figures not supported here (MIG, vGPU)
+        samples = nvml.utilization_samples(self._handle, since)
+        return ((), None) if samples is None else (tuple(samples), DEVICE)
 
     def tick(self) -> Tick:
         utilization, scope = self._utilization()
         now = self.instant()
-        energy = self._call("nvmlDeviceGetTotalEnergyConsumption")
         return Tick(
             now.time,
-            energy,
+            nvml.energy_mj(self._handle),
             now.temperature_c,
             now.reasons,
             utilization,

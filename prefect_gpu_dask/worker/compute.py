@@ -34,7 +34,7 @@ from dask.sizeof import sizeof
 from distributed.protocol import pickle
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.routing import gpu_workers, scheduler_identity
+from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
 
 # Dask would plan P2P shuffles/rechunks with a distributed client around; the threads
 # scheduler cannot run those.
@@ -44,12 +44,25 @@ MAX_JOIN_SHARE = 0.25
 PICKLE_RESULTS_UP_TO = 16 * 2**20
 
 
+def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Addresses of GPU workers (all workers on a cluster without any), those taking
+    tasks first, from the scheduler's ``identity()["workers"]``.
+
+    A worker draining for a restart is left out while another can take its share; GPU
+    work never moves to CPU workers because the GPU ones are draining.
+    """
+    gpu = {a: w for a, w in workers.items() if uses_gpu(w.get("resources") or {})}
+    candidates = gpu or workers
+    running = [a for a, w in candidates.items() if w.get("status", "running") == "running"]
+    return sorted(running or candidates)
+
+
 def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]:
     """``dask.compute`` for use inside a Prefect task running on a Dask worker."""
-    try:
-        me = distributed.get_worker().address
-    except ValueError:
+    worker = _compat.current_worker()
+    if worker is None:
         return dask.compute(*collections, **compute_kwargs)
+    me = worker.address
     with distributed.worker_client() as client:
         workers = gpu_workers(scheduler_identity(client)["workers"])
         if workers == [me]:
@@ -139,7 +152,7 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
 
 def _threads() -> int:
     """As many threads as this worker has: as much GPU work at once as the user allowed."""
-    return distributed.get_worker().state.nthreads
+    return _compat.current_worker().state.nthreads
 
 
 def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:

@@ -9,23 +9,27 @@ worker's guard. A worker whose memory did not come back after the failure is bei
 drained for a restart, so it is never chosen while another worker can serve; where
 it is the only one, the retry runs in place and the restart follows the task run.
 
-Runs in the task run's worker thread (``placed``) and, for a moved attempt, in the
-chosen worker's (``_attempt``); ``free_gpu_bytes`` runs on each candidate's event loop.
+The flow clones a ``gpu`` task with ``oom_retry_condition`` (Prefect's engine asks it on
+the worker, after each failed attempt) and ``placing``, which runs in the task run's
+worker thread and, for a moved attempt, in the chosen worker's (``_attempt``);
+``free_gpu_bytes`` runs on each candidate's event loop.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import uuid4
 
-from prefect_gpu_dask.routing import scheduler_identity
-from prefect_gpu_dask.verdict import out_of_memory
+from prefect_gpu_dask._compat import current_worker
+from prefect_gpu_dask.resources import scheduler_identity
+from prefect_gpu_dask.worker.guard import guard_of
+from prefect_gpu_dask.worker.taskwrap import Place
+from prefect_gpu_dask.worker.verdict import out_of_memory
 
-logger = logging.getLogger("prefect_gpu_dask.oom_retry")
+logger = logging.getLogger(__name__)
 
 
 def oom_retry_condition(
@@ -59,40 +63,28 @@ def _holds(condition: Callable[..., Any], *args: Any) -> bool:
     return bool(condition(*args))
 
 
-def placing(resources: Mapping[str, float]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wraps a task's (guarded) function so that an attempt after an out-of-memory
-    failure runs on the GPU worker with the most free memory offering ``resources``.
-
-    Async functions keep every attempt in place: a moved attempt blocks its thread
-    while it waits, which an event loop must not.
-    """
+def placing(resources: Mapping[str, float]) -> Place:
+    """A ``place`` for ``taskwrap.with_around``: an attempt after an out-of-memory
+    failure runs on the GPU worker with the most free memory offering ``resources``."""
     asked = dict(resources)
+    ran_out: set[Any] = set()  # task runs whose last attempt here ran out of memory
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if inspect.iscoroutinefunction(fn):
-            return fn
-        ran_out: set[Any] = set()  # task runs whose last attempt here ran out of memory
+    def place(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        run_id = _task_run_id()
+        target = None
+        if run_id in ran_out:
+            ran_out.discard(run_id)
+            target = roomiest_elsewhere(asked)
+        try:
+            if target is None:
+                return fn(*args, **kwargs)
+            return _run_on(target, fn, args, kwargs, asked)
+        except Exception as exc:
+            if run_id is not None and out_of_memory(exc) is not None:
+                ran_out.add(run_id)
+            raise
 
-        @functools.wraps(fn)
-        def placed(*args: Any, **kwargs: Any) -> Any:
-            run_id = _task_run_id()
-            target = None
-            if run_id in ran_out:
-                ran_out.discard(run_id)
-                target = roomiest_elsewhere(asked)
-            try:
-                if target is None:
-                    return fn(*args, **kwargs)
-                return _run_on(target, fn, args, kwargs, asked)
-            except Exception as exc:
-                if run_id is not None and out_of_memory(exc) is not None:
-                    ran_out.add(run_id)
-                raise
-
-        placed.__prefect_task_source__ = getattr(fn, "__prefect_task_source__", fn)  # type: ignore[attr-defined]
-        return placed
-
-    return wrap
+    return place
 
 
 def _task_run_id() -> Any:
@@ -104,10 +96,8 @@ def _task_run_id() -> Any:
 
 def free_gpu_bytes(dask_worker: Any) -> int | None:
     """Free bytes on this worker's GPU, as its guard's probe reads them (None: no GPU)."""
-    from prefect_gpu_dask.guard import PLUGIN_NAME
-
-    guard = dask_worker.plugins.get(PLUGIN_NAME)
-    if guard is None or not guard.active:
+    guard = guard_of(dask_worker)
+    if guard is None:
         return None
     sample = guard.probe.sample()
     return sample.device_total - sample.device_used
@@ -129,10 +119,10 @@ def choose(here: str, here_serving: bool, free: Mapping[str, int | None]) -> str
 
 def roomiest_elsewhere(resources: Mapping[str, float]) -> str | None:
     """Where this worker's out-of-memory retry should run (None: here)."""
-    from distributed import get_client, get_worker
+    from distributed import get_client
     from distributed.core import Status
 
-    worker = get_worker()
+    worker = current_worker()
     here = worker.address
     here_serving = worker.status == Status.running  # not drained for a restart
     client = get_client()

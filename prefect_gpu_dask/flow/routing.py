@@ -1,87 +1,46 @@
-"""Where a task runs: Prefect task tags + Dask annotations + what workers offer -> ``Route``.
+"""How a task runs: Prefect task tags + Dask annotations + what workers offer -> ``Route``.
 
 ``gpu`` asks for one ``GPU`` slot, ``gpu:N`` for N slots (``gpu:0.5`` lets two tasks
-share a GPU), and a user map turns any tag into any resources. Everything is validated
-up front so a typo fails at construction or submission, never as a task that waits
-forever for a resource nobody has. ``TagRouter.route`` is the one routing decision:
-the runner and ``compute_on_gpus`` act on its answer and decide nothing themselves.
+share a GPU), ``gpu:<model>``/``gpu-model:<name>`` and ``gpu-mem:<size>`` for a kind of
+GPU, and a user map turns any tag into any resources. Everything is validated up front
+so a typo fails at construction or submission, never as a task that waits forever for
+a resource nobody has. ``TagRouter.route`` is the one decision about a task run: where
+it runs, what it waits for, and what runs around it on its worker. The runner hands the
+``Route`` to ``submission``, which applies it and decides nothing itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any
 
-GPU_RESOURCE = "GPU"
-GPU_TAG = "gpu"
-MODEL_TAG = "gpu-model"
-MEMORY_TAG = "gpu-mem"
-MEMORY_RESOURCE = "GPU-MEM"  # bytes of GPU memory a task asks for; a worker offers its GPU's total
+from prefect_gpu_dask.resources import (
+    GPU_RESOURCE,
+    GPU_TAG,
+    MEMORY_RESOURCE,
+    MEMORY_TAG,
+    MODEL_TAG,
+    Resources,
+    model_resource,
+    resources_of,
+    satisfiable,
+    scheduler_identity,
+    uses_gpu,
+)
+from prefect_gpu_dask.settings import GuardScope, OnMissingGPU, validate_tag_resources
+
 # Models ``gpu:<model>`` accepts; any other name goes through ``gpu-model:<name>``, so a
 # typo such as ``gpu:0.5x`` still fails instead of asking for a model nobody has.
 KNOWN_MODELS = frozenset(
     "b200 b100 gb200 h200 h100 h800 gh200 a100 a800 a40 a30 a10 a10g a16 a2 l40s l40 l4 "
     "v100 t4 p100 p40 p4 k80".split()
 )
-
-Resources = dict[str, float]
-
-
-def _amount(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: resource amount {value!r} is not a number")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: resource amount {value!r} must be a positive number")
-    return float(value)
-
-
-def validate_tag_resources(tag_resources: Mapping[str, Mapping[str, float]] | None) -> dict:
-    """Check a user tag map like ``{"nvme": {"NVME": 1}}``; return a clean copy."""
-    if tag_resources is None:
-        return {}
-    if not isinstance(tag_resources, Mapping):
-        raise ValueError(f"tag_resources must be a mapping of tag -> resources, got {tag_resources!r}")
-    clean: dict[str, Resources] = {}
-    for tag, resources in tag_resources.items():
-        if not isinstance(tag, str) or not tag:
-            raise ValueError(f"tag_resources: tag {tag!r} must be a non-empty string")
-        if tag == GPU_TAG or tag.startswith((GPU_TAG + ":", MODEL_TAG + ":", MEMORY_TAG + ":")):
-            raise ValueError(f"tag_resources: tag {tag!r} is reserved for GPU routing")
-        if not isinstance(resources, Mapping) or not resources:
-            raise ValueError(
-                f"tag_resources[{tag!r}]: {resources!r} must be a non-empty mapping "
-                "of resource name -> amount"
-            )
-        clean[tag] = {}
-        for name, amount in resources.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"tag_resources[{tag!r}]: resource name {name!r} is invalid")
-            clean[tag][name] = _amount(amount, f"tag_resources[{tag!r}][{name!r}]")
-    return clean
-
-
-def model_resource(model: str) -> str:
-    """The resource a GPU worker of ``model`` offers: ``"h200"`` -> ``"GPU-H200"``."""
-    return f"{GPU_RESOURCE}-{model.upper()}"
-
-
-def model_slug(device_name: str) -> str:
-    """NVML's device name -> the model tags use: ``"NVIDIA H200"`` -> ``"h200"``,
-    ``"NVIDIA A100-SXM4-80GB"`` -> ``"a100"``, ``"NVIDIA GeForce RTX 4090"`` -> ``"rtx-4090"``."""
-    words = [
-        w for w in device_name.lower().replace("_", " ").split() if w not in {"nvidia", "tesla", "geforce"}
-    ]
-    if not words:
-        return "unknown"
-    first = words[0].split("-")[0]
-    if first in {"rtx", "gtx", "titan", "quadro"} and len(words) > 1:
-        return f"{first}-{words[1].split('-')[0]}"
-    return first
 
 
 def _model_of(tag: str) -> str | None:
@@ -128,24 +87,39 @@ def parse_gpu_tag(tag: str) -> float | None:
     return amount
 
 
-Fallback = Literal["cpu", "error"]
+Fallback = OnMissingGPU
 
 
 @dataclass(frozen=True)
 class Route:
-    """What to ask Dask for, and what to do because nobody offers it.
+    """Everything about how one task run runs: what to ask Dask for, what to do because
+    nobody offers it, and what runs around the task's function on its worker.
 
     ``fallback`` is None when some worker offers ``resources``. Otherwise ``message``
     says why the task runs on CPU with that warning (``"cpu"``) or fails with it
     (``"error"``): at once (``resources`` empty: it runs unrestricted) or, with
     ``wait_s``, if no worker offering ``resources`` joins within that many seconds.
+
+    Around the function: the fallback's warning or failure (``fallback``), the GPU
+    memory guard (``guard``), a watchdog for a ``timeout_seconds`` the task may be stuck
+    past outside Python (``deadline``), and ``oom_retries`` retries for CUDA
+    out-of-memory failures on top of the task's own, each on the GPU worker with the
+    most free memory that offers ``resources``.
     """
 
     resources: Resources
-    gpu: bool  # asks for a GPU: the guard measures it
+    gpu: bool  # asks for a GPU
     fallback: Fallback | None = None
     message: str | None = None
     wait_s: float = 0.0
+    guard: bool = False
+    deadline: bool = False
+    oom_retries: int = 0
+
+    @property
+    def waited_for(self) -> Resources | None:
+        """The resources a worker that runs it after all offers (it waited for them)."""
+        return self.resources if self.wait_s else None
 
 
 class TagRouter:
@@ -197,17 +171,42 @@ class TagRouter:
         offers: WorkerOffers | None,
         on_missing: Fallback,
         wait_s: float = 0.0,
+        *,
+        guard: GuardScope = "off",
+        timeout_s: float | None = None,
+        oom_retries: int = 0,
     ) -> Route:
-        """Decide where task ``name`` runs.
+        """Decide how task ``name`` runs.
 
         ``annotations`` (a ``dask.annotate(resources=...)`` around the submit) override
         what the tags ask for, resource by resource. ``offers``: what the cluster's
         workers advertise (None: not known, route by the request alone). ``wait_s``:
         how long a cluster that can still grow gets to offer what nobody offers yet.
+        ``guard``: which tasks the memory guard measures (``"off"``: none, the guard is
+        not running). ``timeout_s``: the task's ``timeout_seconds``. ``oom_retries``:
+        out-of-memory retries a task asking for a GPU gets.
         """
         resources = self.resources_for_tags(tags)
         if annotations:
             resources = {**resources, **annotations}
+        where = self._where(name, resources, offers, on_missing, wait_s)
+        # It may still run on what it asked for: at once, or once a worker offering it joins.
+        as_asked = where.fallback is None or where.wait_s > 0
+        return dataclasses.replace(
+            where,
+            guard=as_asked and (guard == "all" or (guard == "gpu" and where.gpu)),
+            deadline=bool(timeout_s),
+            oom_retries=oom_retries if where.gpu else 0,
+        )
+
+    @staticmethod
+    def _where(
+        name: str,
+        resources: Resources,
+        offers: WorkerOffers | None,
+        on_missing: Fallback,
+        wait_s: float,
+    ) -> Route:
         if not resources or offers is None or offers.can_serve(resources):
             return Route(resources, uses_gpu(resources))
         if wait_s > 0:
@@ -222,45 +221,6 @@ class TagRouter:
         if wait_s > 0:
             return Route(resources, uses_gpu(resources), on_missing, message, wait_s)
         return Route({}, False, on_missing, message)
-
-
-def uses_gpu(resources: Mapping[str, float]) -> bool:
-    return resources.get(GPU_RESOURCE, 0) > 0
-
-
-def satisfiable(resources: Mapping[str, float], workers: Iterable[Mapping[str, float]]) -> bool:
-    """Does at least one worker advertise every resource in the amounts asked?"""
-    return any(
-        all(offered.get(name, 0) >= amount for name, amount in resources.items()) for offered in workers
-    )
-
-
-def scheduler_identity(client: Any) -> dict[str, Any]:
-    """The scheduler's identity with every worker, asked now (sync clients).
-
-    Not ``Client.scheduler_info()``: that returns a cache which the client's own
-    periodic refresh overwrites with an answer that lists no workers, so a read racing
-    the refresh finds an empty cluster.
-    """
-    return client.sync(client.scheduler.identity, n_workers=-1)
-
-
-def resources_of(scheduler_identity: Mapping[str, Any]) -> list[Resources]:
-    """What each worker advertises, from the scheduler's ``identity`` answer."""
-    return [w.get("resources") or {} for w in scheduler_identity["workers"].values()]
-
-
-def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Addresses of GPU workers (all workers on a cluster without any), those taking
-    tasks first, from the scheduler's ``identity()["workers"]``.
-
-    A worker draining for a restart is left out while another can take its share; GPU
-    work never moves to CPU workers because the GPU ones are draining.
-    """
-    gpu = {a: w for a, w in workers.items() if uses_gpu(w.get("resources") or {})}
-    candidates = gpu or workers
-    running = [a for a, w in candidates.items() if w.get("status", "running") == "running"]
-    return sorted(running or candidates)
 
 
 class WorkerOffers:

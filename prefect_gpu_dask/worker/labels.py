@@ -1,11 +1,12 @@
 """Each GPU worker advertises what it has: ``GPU``, its model and its memory.
 
 ``GPULabels`` is a small ``WorkerPlugin``, registered by the runner on every cluster it
-uses. In ``setup`` it reads this worker's GPU through NVML (or the runner's
-``memory_probe``) and adds, as Dask resources, ``GPU=1`` where the worker was started
-without it, ``GPU-<MODEL>`` (e.g. ``GPU-H200``) as much as its ``GPU``, and ``GPU-MEM``,
-its GPU's memory in bytes, so that ``gpu:h200`` and ``gpu-mem:40GiB`` tags route with no
-``--resources`` by hand. A worker without a GPU is left as it is.
+uses. In ``setup`` it reads this worker's GPU through the probe its guard reads too
+(``probe.worker_probe``: NVML, or the runner's ``memory_probe``) and adds, as Dask
+resources, ``GPU=1`` where the worker was started without it, ``GPU-<MODEL>`` (e.g.
+``GPU-H200``) as much as its ``GPU``, and ``GPU-MEM``, its GPU's memory in bytes, so
+that ``gpu:h200`` and ``gpu-mem:40GiB`` tags route with no ``--resources`` by hand. A
+worker without a GPU is left as it is.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
-from prefect_gpu_dask.probe import GPUIdentity
-from prefect_gpu_dask.routing import GPU_RESOURCE, MEMORY_RESOURCE, model_resource, model_slug
+from prefect_gpu_dask.resources import GPU_RESOURCE, MEMORY_RESOURCE, model_resource, model_slug
 from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker.probe import GPUIdentity, worker_probe
 
-logger = logging.getLogger("prefect_gpu_dask.labels")
+logger = logging.getLogger(__name__)
 
 
 def labels_for(offered: Mapping[str, float], gpu: GPUIdentity) -> dict[str, float]:
@@ -40,12 +41,10 @@ class GPULabels(WorkerPlugin):
 
     def __init__(self, settings: RunnerSettings | None = None):
         self.settings = settings if settings is not None else RunnerSettings()
-        if not isinstance(self.settings, RunnerSettings):
-            raise ValueError(f"settings {settings!r} is not a RunnerSettings")
 
     async def setup(self, worker: Any) -> None:
         try:
-            probe = self.settings.open_probe()
+            probe = worker_probe(worker, self.settings.memory_probe)
         except Exception as exc:  # NVML present but unusable: no labels, worker fine
             logger.warning("Could not read the GPU of %s to label it: %s", worker.address, exc)
             return

@@ -1,70 +1,42 @@
 """Sick GPUs: checked on their worker, quarantined once, and their ``gpu`` tasks moved on.
 
+What runs on the worker, and what it starts elsewhere:
+
 - worker: ``HealthWatch``, held by the worker's guard, judges its GPU through
   ``health.HealthMonitor`` on a timer and, through ``screen``, right before each task
   that asked for a GPU. The first unhealthy verdict quarantines the GPU, once; the
   worker is never restarted onto it (the recycler leaves it alone) and reports a
   ``GPUQuarantine`` to the flow.
-- scheduler: ``withdraw`` sets the worker's GPU resources to 0, so no ``gpu`` task is
-  sent there again, unless no other worker offers a GPU: then the worker keeps them,
-  so ``gpu`` tasks still reach it and fail at once instead of waiting for a GPU that
-  will not come.
-- worker, per task (``submission.run_task_run``): a ``gpu`` task on a quarantined
+- scheduler (``scheduler.quarantine``): ``withdraw`` sets the worker's GPU resources
+  to 0, so no ``gpu`` task is sent there again, unless no other worker offers a GPU:
+  then the worker keeps them, so ``gpu`` tasks still reach it and fail at once instead
+  of waiting for a GPU that will not come.
+- worker, per task (``worker.taskrun.run_task_run``): a ``gpu`` task on a quarantined
   GPU goes back to the scheduler (``distributed.Reschedule``) before Prefect's engine
   starts, to run on a healthy GPU, or, with none left, fails with ``UnhealthyGPUError``.
-- flow: the runner logs each ``GPUQuarantine``, emits ``prefect-gpu-dask.gpu.unhealthy``
-  and lists it in the summary.
+- flow: the ``Recycler`` leaves the worker alone; ``reporting`` logs each
+  ``GPUQuarantine``, emits ``prefect-gpu-dask.gpu.unhealthy`` and lists it in the summary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from prefect_gpu_dask.health import HealthMonitor, HealthVerdict
+from prefect_gpu_dask.errors import UnhealthyGPUError
 from prefect_gpu_dask.records import UNHEALTHY_TOPIC, GPUQuarantine
-from prefect_gpu_dask.routing import GPU_RESOURCE
+from prefect_gpu_dask.resources import GPU_RESOURCE
+from prefect_gpu_dask.scheduler.quarantine import withdraw
+from prefect_gpu_dask.worker.health import HealthMonitor, HealthVerdict
+from prefect_gpu_dask.worker.taskwrap import refused
 
-logger = logging.getLogger("prefect_gpu_dask.quarantine")
+logger = logging.getLogger(__name__)
 TIMER_NAME = "prefect-gpu-dask-health"
-
-
-class UnhealthyGPUError(RuntimeError):
-    """A ``gpu`` task reached a quarantined GPU and no healthy one is left in the cluster."""
-
-
-# -- scheduler -------------------------------------------------------------------------
-
-
-def withdraw(dask_scheduler: Any, worker: str) -> dict[str, Any]:
-    """Set ``worker``'s GPU resources to 0 unless no other worker offers a GPU.
-
-    Runs on the scheduler's event loop, so two GPUs found sick at once cannot both
-    give theirs up and leave ``gpu`` tasks waiting forever.
-    """
-    from prefect_gpu_dask._compat import set_worker_resources
-
-    if worker not in dask_scheduler.workers:
-        return {"withdrawn": False, "others": 0, "known": False}
-    others = sum(
-        1
-        for address, amount in dask_scheduler.resources.get(GPU_RESOURCE, {}).items()
-        if address != worker and amount > 0
-    )
-    if others:
-        ws = dask_scheduler.workers[worker]
-        gpu_names = [name for name in ws.resources if name == GPU_RESOURCE or name.startswith("GPU-")]
-        set_worker_resources(dask_scheduler, worker, dict.fromkeys(gpu_names, 0))
-    return {"withdrawn": bool(others), "others": others, "known": True}
-
-
-# -- worker ----------------------------------------------------------------------------
 
 
 class HealthWatch:
@@ -171,8 +143,9 @@ class HealthWatch:
         return self.quarantine
 
 
-def screen(task: Any, restrictions: Mapping[str, float] | None) -> Any:
-    """Before a task run starts on this worker: the task to run.
+def screen(task: Any, restrictions: Mapping[str, float] | None, watch: HealthWatch | None) -> Any:
+    """Before a task run starts on this worker: the task to run. ``watch``: this
+    worker's health checks (None: its GPU is not checked).
 
     A task that asked for a GPU, on a quarantined one, goes back to the scheduler
     (``distributed.Reschedule``) where a healthy GPU took over, or is cloned to fail
@@ -180,10 +153,6 @@ def screen(task: Any, restrictions: Mapping[str, float] | None) -> Any:
     """
     if not restrictions or restrictions.get(GPU_RESOURCE, 0) <= 0:
         return task
-    from prefect_gpu_dask.guard import current_guard
-
-    guard = current_guard()
-    watch = guard.health if guard is not None else None
     quarantine = watch.screen() if watch is not None else None
     if quarantine is None:
         return task
@@ -192,18 +161,10 @@ def screen(task: Any, restrictions: Mapping[str, float] | None) -> Any:
 
         logger.warning("%s goes back to the scheduler: quarantined %s", task.name, quarantine.describe())
         raise distributed.Reschedule()  # Prefect's engine never saw it start
-    from prefect_gpu_dask.taskwrap import with_around
-
-    return with_around(task, failing(quarantine), retries=0)
-
-
-def failing(quarantine: GPUQuarantine) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the GPU."""
-    from prefect_gpu_dask.taskwrap import raising
-
-    return raising(
+    return refused(
+        task,
         UnhealthyGPUError(
             f"Quarantined {quarantine.describe()}. No healthy GPU is left in the cluster, so "
             "this gpu task was not run."
-        )
+        ),
     )

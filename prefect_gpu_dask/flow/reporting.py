@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from prefect_gpu_dask import chart, sizing
+from prefect_gpu_dask.flow import chart, sizing
 from prefect_gpu_dask.records import (
     BYTE_FIELDS,
     LEAK,
@@ -101,36 +101,22 @@ def _gpu_resource(record: Described) -> dict[str, str]:
     }
 
 
-def emit_leak_event(record: TaskRecord) -> None:
+def _emit(event: str, record: Described, payload: dict[str, Any]) -> None:
     from prefect.events import emit_event
 
-    emit_event(
-        event=LEAK_EVENT,
-        resource=_gpu_resource(record),
-        related=_related(record),
-        payload=record.to_event(),
-    )
+    emit_event(event=event, resource=_gpu_resource(record), related=_related(record), payload=payload)
+
+
+def emit_leak_event(record: TaskRecord) -> None:
+    _emit(LEAK_EVENT, record, record.to_event())
 
 
 def emit_restart_event(restart: RestartRecord) -> None:
-    from prefect.events import emit_event
-
-    emit_event(
-        event=RESTART_EVENT,
-        resource=_gpu_resource(restart),
-        related=_related(restart),
-        payload=restart.to_payload(),
-    )
+    _emit(RESTART_EVENT, restart, restart.to_payload())
 
 
 def emit_unhealthy_event(quarantine: GPUQuarantine) -> None:
-    from prefect.events import emit_event
-
-    emit_event(
-        event=UNHEALTHY_EVENT,
-        resource=_gpu_resource(quarantine),
-        payload=quarantine.to_event(),
-    )
+    _emit(UNHEALTHY_EVENT, quarantine, quarantine.to_event())
 
 
 def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
@@ -148,8 +134,8 @@ def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
 
 
 class LivePublisher:
-    """Publishes each record as a table artifact on its task run, and a leak as an
-    event, in the background.
+    """Publishes each record as a table artifact on its task run, a leak as an event,
+    and each quarantined GPU as an event, in the background.
 
     Built in the flow's thread (whose context reaches the flow's API); records arrive
     on Dask's event loop, which must not wait for the API.
@@ -157,7 +143,7 @@ class LivePublisher:
 
     def __init__(self, logger: logging.Logger):
         self.logger = logger
-        self._records: queue.Queue[TaskRecord | None] = queue.Queue()
+        self._records: queue.Queue[TaskRecord | GPUQuarantine | None] = queue.Queue()
         context = contextvars.copy_context()
         self._thread = threading.Thread(
             target=context.run, args=(self._run,), name="gpu-records", daemon=True
@@ -166,6 +152,21 @@ class LivePublisher:
 
     def publish(self, record: TaskRecord) -> None:
         self._records.put(record)
+
+    def quarantined(self, quarantine: GPUQuarantine) -> None:
+        """Log a GPU found sick, and emit its event."""
+        if quarantine.withdrawn:
+            self.logger.error(
+                "Quarantined %s. Its gpu tasks go to the %d other GPU worker(s)",
+                quarantine.describe(),
+                quarantine.healthy_gpu_workers,
+            )
+        else:
+            self.logger.error(
+                "Quarantined %s. No healthy GPU is left: gpu tasks fail with UnhealthyGPUError",
+                quarantine.describe(),
+            )
+        self._records.put(quarantine)
 
     def close(self, timeout: float = 30.0) -> None:
         """Publish what is queued (up to ``timeout``), then stop."""
@@ -176,6 +177,12 @@ class LivePublisher:
         from prefect.artifacts import TableArtifact
 
         while (record := self._records.get()) is not None:
+            if isinstance(record, GPUQuarantine):
+                try:
+                    emit_unhealthy_event(record)
+                except Exception as exc:
+                    self.logger.warning("Could not emit the event of %s: %s", record.describe(), exc)
+                continue
             if record.verdict == LEAK:
                 try:
                     emit_leak_event(record)

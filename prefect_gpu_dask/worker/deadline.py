@@ -3,10 +3,10 @@
 Prefect's engine times a task out by raising in its thread, which only lands once the
 thread runs Python again: a task blocked in a C call (a hung kernel, a stuck
 collective, a dead file system) outlives its timeout for as long as the call lasts. The
-runner clones every task that has ``timeout_seconds`` with ``taskwrap.with_around(task,
+flow clones every task that has ``timeout_seconds`` with ``taskwrap.with_around(task,
 deadline)``: a watchdog timer per task run that, if the task is still running a moment
 after its timeout, sends a ``HungTask`` record to the flow. The flow marks the task run
-``TimedOut`` and recycles the worker holding the stuck thread (``recycling``).
+``TimedOut`` and recycles the worker holding the stuck thread (``flow.recycling``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.records import HUNG_TOPIC, HungTask
 
 # Prefect's own timeout gets this long to land before the task counts as stuck.
@@ -35,12 +36,7 @@ def deadline() -> Iterator[None]:
 
     ctx = TaskRunContext.get()
     seconds = ctx.task.timeout_seconds if ctx is not None else None
-    try:
-        import distributed
-
-        worker = distributed.get_worker()
-    except ValueError:
-        worker = None
+    worker = current_worker()
     if not seconds or worker is None:
         yield
         return

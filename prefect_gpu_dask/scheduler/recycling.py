@@ -15,15 +15,10 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.records import LOST, REPLACED
+from prefect_gpu_dask.records import INTERRUPTED, LOST, REPLACED, STARTED_THERE, STARTED_TOPIC
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
-INTERRUPTED = "prefect-gpu-dask-worker-died"
-# Annotation: the dead worker had started this task run (not merely queued it).
-STARTED_THERE = "prefect-gpu-dask-started-on-dead-worker"
-# Worker event topic: a task run's engine is starting on this worker.
-STARTED_TOPIC = "prefect-gpu-dask.task-run-started"
 
 
 def _moving(ts: Any, drained: set[str], others_running: bool) -> bool:
@@ -79,7 +74,7 @@ def hand_back_queued(
 ) -> dict[str, Any]:
     """Send what drained workers hold but never started back to the scheduler.
 
-    ``not_started``: per worker, the tasks it reported waiting (``worker.drain``). A task
+    ``not_started``: per worker, the tasks it reported waiting (``worker.recycling.drain``). A task
     the scheduler still counts as processing there but that is not on that list has
     finished (its message is on the way) or is running: then nothing is moved yet.
     ``stuck``: tasks hung past their deadline, which stay where they are.
@@ -262,7 +257,7 @@ class InterruptedTasks(SchedulerPlugin):
     ``distributed.scheduler.allowed-failures`` times). For a Prefect task run that means
     the same task run executing twice, its side effects repeated, and the first attempt
     never reported. This plugin marks such a task in its annotations (which travel to
-    the next worker with the task); there ``worker.announce_start`` sees the mark and the task
+    the next worker with the task); there ``worker.recycling.announce_start`` sees the mark and the task
     run is refused with a message naming the dead worker.
 
     Which tasks had started there comes from the workers' ``STARTED_TOPIC`` events, in

@@ -245,10 +245,11 @@ def _visible_name() -> str:
 class NvmlHealthReader:
     """Reads ``HealthReadings`` for one NVML device handle (a GPU or a MIG instance).
 
-    Each query is tried once here: one the GPU, driver or container does not support is
-    left out of every check and named in ``limits``. In a check, a query that raises
-    gives None for its fields; ``GPU_IS_LOST`` and ``RESET_REQUIRED`` set their flags.
-    Xid events are drained without waiting.
+    Each reading (``nvml``'s readers) is tried once here: one the GPU, driver or
+    container does not support, or lets this process read, is left out of every check
+    and named in ``limits``. In a check, a reading that raises gives None for its
+    fields; ``GPU_IS_LOST`` and ``RESET_REQUIRED`` set their flags. Xid events are
+    drained without waiting.
     """
 
     def __init__(self, handle: Any):
@@ -258,44 +259,42 @@ class NvmlHealthReader:
         self.gpu_uuid = nvml.device_uuid(handle)
         self._device, self._instance = _physical_device(p, handle)
         limits: list[str] = []
-        device = self._device
-        self._ecc = self._supported(
-            "ECC errors",
-            limits,
-            lambda: p.nvmlDeviceGetTotalEccErrors(
-                device, p.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, p.NVML_VOLATILE_ECC
-            ),
-        )
-        if self._ecc and not _ecc_enabled(p, device):
+        self._ecc = self._supported("ECC errors", limits, nvml.ecc_volatile_uncorrectable)
+        if self._ecc and not self._ecc_enabled():
             self._ecc = False
             limits.append("ECC errors not checked: ECC is disabled on this GPU")
-        self._retired = self._supported(
-            "page retirement", limits, lambda: p.nvmlDeviceGetRetiredPagesPendingStatus(device)
-        )
-        self._rows = self._supported("row remapping", limits, lambda: p.nvmlDeviceGetRemappedRows(device))
-        self._clock_reasons, self._slowdown_mask = _clock_reasons(p)
-        self._clocks = self._supported("hardware slowdown", limits, lambda: self._clock_reasons(device))
+        self._retired = self._supported("page retirement", limits, nvml.retired_pages_pending)
+        self._rows = self._supported("row remapping", limits, nvml.remapped_rows)
+        self._slowdown_mask = nvml.hardware_slowdown_mask()
+        self._clocks = self._supported("hardware slowdown", limits, nvml.clock_event_reasons)
         self._xid_type = p.nvmlEventTypeXidCriticalError
         self._wait = getattr(p, "nvmlEventSetWait_v2", None) or p.nvmlEventSetWait
         self._events = self._open_events(limits)
         self._quiet = frozenset(_quiet_codes(p))
         self.limits = tuple(limits)
 
-    def _supported(self, name: str, limits: list[str], query: Callable[[], Any]) -> bool:
+    def _supported(self, name: str, limits: list[str], reading: Callable[[Any], Any]) -> bool:
         p = self._nvml
         try:
-            query()
+            answer = reading(self._device)
         except p.NVMLError as error:
-            if error.value in (p.NVML_ERROR_GPU_IS_LOST, p.NVML_ERROR_RESET_REQUIRED):
-                return True  # supported, and the checks will report it
-            if error.value in (p.NVML_ERROR_NOT_SUPPORTED, p.NVML_ERROR_FUNCTION_NOT_FOUND):
-                limits.append(f"{name} not checked: not supported by this GPU or driver")
-                return False
             if error.value == p.NVML_ERROR_NO_PERMISSION:
                 limits.append(f"{name} not checked: no permission")
                 return False
-            return True  # answered with an error that may pass; checks will say so
+            # A lost GPU or one that needs a reset: the checks report it. Any other
+            # error may pass, and the checks will say so.
+            return True
+        if answer is None:
+            limits.append(f"{name} not checked: not supported by this GPU or driver")
+            return False
         return True
+
+    def _ecc_enabled(self) -> bool:
+        try:
+            enabled = nvml.ecc_enabled(self._device)
+        except self._nvml.NVMLError:  # the counter answered: let it speak
+            return True
+        return enabled is not False
 
     def _open_events(self, limits: list[str]) -> Any:
         p = self._nvml
@@ -321,43 +320,31 @@ class NvmlHealthReader:
         return events
 
     def __call__(self) -> HealthReadings:
-        p, device = self._nvml, self._device
+        p = self._nvml
         failed: list[tuple[str, int]] = []
 
-        def ask(name: str, query: Callable[..., Any], *args: Any) -> Any:
+        def ask(name: str, reading: Callable[[Any], Any], wanted: bool) -> Any:
+            if not wanted:
+                return None
             try:
-                return query(*args)
+                return reading(self._device)
             except p.NVMLError as error:
                 failed.append((name, error.value))
                 return None
 
-        errors = (
-            ask(
-                "ECC",
-                p.nvmlDeviceGetTotalEccErrors,
-                device,
-                p.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                p.NVML_VOLATILE_ECC,
-            )
-            if self._ecc
-            else None
-        )
-        pending = (
-            ask("page retirement", p.nvmlDeviceGetRetiredPagesPendingStatus, device)
-            if self._retired
-            else None
-        )
-        rows = ask("row remapping", p.nvmlDeviceGetRemappedRows, device) if self._rows else None
-        reasons = ask("clocks", self._clock_reasons, device) if self._clocks else None
+        errors = ask("ECC", nvml.ecc_volatile_uncorrectable, self._ecc)
+        pending = ask("page retirement", nvml.retired_pages_pending, self._retired)
+        rows = ask("row remapping", nvml.remapped_rows, self._rows)
+        reasons = ask("clocks", nvml.clock_event_reasons, self._clocks)
         xids = self._drain_xids(failed) if self._events is not None else ()
         codes = {code for _, code in failed}
         return HealthReadings(
             gpu_uuid=self.gpu_uuid,
             lost=p.NVML_ERROR_GPU_IS_LOST in codes,
-            ecc_volatile_uncorrectable=None if errors is None else int(errors),
-            retired_pages_pending=None if pending is None else pending == p.NVML_FEATURE_ENABLED,
-            row_remap_failure=None if rows is None else bool(rows[3]),
-            row_remap_pending=None if rows is None else bool(rows[2]),
+            ecc_volatile_uncorrectable=errors,
+            retired_pages_pending=pending,
+            row_remap_failure=None if rows is None else rows.failed,
+            row_remap_pending=None if rows is None else rows.pending,
             hw_slowdown=bool(reasons is not None and reasons & self._slowdown_mask),
             xid_events=xids,
             reset_required=p.NVML_ERROR_RESET_REQUIRED in codes,
@@ -404,38 +391,6 @@ def _physical_device(p: Any, handle: Any) -> tuple[Any, tuple[int, int] | None]:
     parent = p.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
     instance = (int(p.nvmlDeviceGetGpuInstanceId(handle)), int(p.nvmlDeviceGetComputeInstanceId(handle)))
     return parent, instance
-
-
-def _ecc_enabled(p: Any, device: Any) -> bool:
-    try:
-        current, _pending = p.nvmlDeviceGetEccMode(device)
-    except p.NVMLError:  # the counter answered: let it speak
-        return True
-    return current == p.NVML_FEATURE_ENABLED
-
-
-def _clock_reasons(p: Any) -> tuple[Callable[[Any], int], int]:
-    """NVML's current clock event reasons (falling back to the older "throttle" name
-    where the driver lacks the new one) and the hardware-slowdown bits among them."""
-    new = getattr(p, "nvmlDeviceGetCurrentClocksEventReasons", None)
-    old = p.nvmlDeviceGetCurrentClocksThrottleReasons
-
-    def read(device: Any) -> int:
-        if new is None:
-            return old(device)
-        try:
-            return new(device)
-        except p.NVMLError as error:
-            if error.value != p.NVML_ERROR_FUNCTION_NOT_FOUND:
-                raise
-            return old(device)
-
-    mask = 0
-    for bit in ("HwSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"):
-        mask |= getattr(p, f"nvmlClocksEventReason{bit}", None) or getattr(
-            p, f"nvmlClocksThrottleReason{bit}"
-        )
-    return read, mask
 
 
 def _quiet_codes(p: Any) -> tuple[int, ...]:

@@ -1,8 +1,14 @@
 """The restart path on the flow side: ``Recycler`` takes "restart this worker, because"
 and carries it out, losing no task and running none twice.
 
+The path: drain -> hand back queued work -> move results -> restart -> wait for the
+old process's GPU memory. It spans the three processes: this module (reasons in,
+``RestartRecord``s out), ``scheduler.recycling`` (safe-point checks, hand-back,
+restart, the lost-worker plugin) and ``worker.recycling`` (drain, resume, the memory
+wait, refusing a task run whose worker died).
+
 ``restart="worker"``: the worker drains at once (its guard does that before the task
-that asked returns; ``worker.drain``): it starts nothing new, and once it runs nothing,
+that asked returns; ``worker.recycling.drain``): it starts nothing new, and once it runs nothing,
 the tasks queued on it go back to the scheduler and it restarts. Results it holds that
 a pending task still needs are waited for (if only this worker can run that task, it
 briefly takes tasks again). Before the restart, the Prefect states held there move
@@ -22,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -31,10 +38,30 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.records import LOST, REPLACED, RestartRecord, TaskRecord, format_bytes
-from prefect_gpu_dask.recycling import scheduler as on_scheduler
-from prefect_gpu_dask.recycling import worker as on_worker
-from prefect_gpu_dask.routing import scheduler_identity
+from prefect_gpu_dask.records import (
+    HUNG_TOPIC,
+    LOST,
+    REPLACED,
+    GPUQuarantine,
+    HungTask,
+    RestartRecord,
+    TaskRecord,
+    format_bytes,
+)
+from prefect_gpu_dask.resources import scheduler_identity
+from prefect_gpu_dask.scheduler.recycling import (
+    InterruptedTasks,
+    blockers,
+    hand_back_queued,
+    keys_on,
+    lost,
+    mark_interrupted,
+    restart_if_safe,
+    restore_no_workers_timeout,
+    suspend_no_workers_timeout,
+)
+from prefect_gpu_dask.worker.guard import replacement_state
+from prefect_gpu_dask.worker.recycling import drain, resume
 
 POLL_S = 0.05
 RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run
@@ -58,23 +85,26 @@ class Recycler:
 
     One background thread carries requests out in order. ``track`` registers the
     flow's futures so their results can move out of a worker before it restarts.
+    ``start`` installs the scheduler's lost-worker plugin and subscribes to hung tasks:
+    each is marked ``TimedOut`` and its worker recycled. Workers whose GPU is
+    quarantined are left alone (``quarantined``).
     """
 
     def __init__(
         self,
         client: Any,
         policy: str,
-        guard_name: str,
         logger: logging.Logger,
         on_restart: Callable[[RestartRecord], None] = lambda record: None,
         timeout: float = 60.0,
+        ours: Callable[[str | None], bool] = lambda flow_run_id: True,
     ):
         self.client = client
         self.policy = policy
-        self.guard_name = guard_name
         self.logger = logger
         self.on_restart = on_restart
         self.timeout = timeout
+        self.ours = ours  # whether an event naming this flow run id is for this flow
         self._restarts: list[RestartRecord] = []
         self._futures: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
@@ -90,6 +120,18 @@ class Recycler:
         self._context = contextvars.copy_context()
 
     # -- what the runner uses -----------------------------------------------------
+    def start(self) -> None:
+        """Install the lost-worker plugin on the scheduler, and hear of hung tasks."""
+        try:
+            self.client.register_plugin(InterruptedTasks(), name=InterruptedTasks.name)
+        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the scheduler
+            self.logger.warning(
+                "Could not install %s on the scheduler (%s): a task whose worker dies may run a second time",
+                InterruptedTasks.name,
+                exc,
+            )
+        self.client.subscribe_topic(HUNG_TOPIC, self._on_hung)
+
     @property
     def restarts(self) -> tuple[RestartRecord, ...]:
         return tuple(self._restarts)
@@ -102,8 +144,13 @@ class Recycler:
             yield
 
     def leave_alone(self, worker: str, why: str) -> None:
-        """Never restart ``worker`` (a restart would bring it back onto the same GPU)."""
+        """Never restart ``worker``."""
         self._left_alone[worker] = why
+
+    def quarantined(self, quarantine: GPUQuarantine) -> None:
+        """A worker whose GPU is quarantined is never restarted: a restart would bring it
+        back onto the same GPU."""
+        self.leave_alone(quarantine.worker, "its GPU is quarantined")
 
     def track(self, key: str, future: Any) -> None:
         self._futures[key] = future
@@ -153,6 +200,45 @@ class Recycler:
             self._thread.join(timeout=self.timeout if wait else 5)
         self._closing.set()  # a restart still waiting for its safe point stops here
 
+    # -- hung tasks ---------------------------------------------------------------
+    def _on_hung(self, event: tuple[float, dict[str, Any]]) -> None:
+        hung = HungTask.from_event(event[1])
+        if not self.ours(hung.flow_run_id):
+            return
+        # Off Dask's event loop: marking the task run is a call to the Prefect API.
+        threading.Thread(
+            target=self._context.copy().run, args=(self.time_out, hung), name="gpu-timeout", daemon=True
+        ).start()
+
+    def time_out(self, hung: HungTask) -> None:
+        """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.
+
+        The run will not run again: its worker's death sends it back to the scheduler,
+        and the next worker finds the task run already final and returns that state.
+        """
+        from prefect.client.orchestration import get_client
+        from prefect.states import Failed
+
+        message = (
+            f"Task run exceeded timeout of {hung.timeout_s:g} second(s) and was still running "
+            f"{hung.running_s:g} s after its start, blocked outside Python on worker {hung.worker}; "
+            "the worker is recycled"
+        )
+        self.logger.error("Task run %r: %s", hung.task_run_name, message)
+        try:
+            with get_client(sync_client=True) as api:
+                api.set_task_run_state(
+                    uuid.UUID(hung.task_run_id), Failed(name="TimedOut", message=message), force=True
+                )
+        except Exception:
+            self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
+        self.request(
+            hung.worker,
+            f"hung: {hung.task_run_name} past its {hung.timeout_s:g} s timeout",
+            stuck=(hung.key,),
+            worker_name=hung.worker_name,
+        )
+
     # -- the background thread ----------------------------------------------------
     def _run(self) -> None:
         while (request := self._requests.get()) is not None:
@@ -184,7 +270,7 @@ class Recycler:
         self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), request.reason)
         attempt = self._try_cluster if whole_cluster else self._try_workers
         deadline = time.monotonic() + GIVE_UP_S
-        self.client.run_on_scheduler(on_scheduler.suspend_no_workers_timeout)
+        self.client.run_on_scheduler(suspend_no_workers_timeout)
         try:
             while (answer := attempt(targets))["status"] != "restarted":
                 if answer["status"] == "gone":
@@ -198,12 +284,12 @@ class Recycler:
                 time.sleep(POLL_S)
         finally:
             if self.client.status == "running":
-                self.client.run_on_scheduler(on_scheduler.restore_no_workers_timeout)
+                self.client.run_on_scheduler(restore_no_workers_timeout)
         for address in targets:
             self._stuck.pop(address, None)
         restart_s = time.perf_counter() - requested
         outcomes: dict[str, dict[str, Any]] = answer.get("result", {})
-        outcome = outcomes.get(request.worker, on_scheduler.lost("the scheduler did not restart it"))
+        outcome = outcomes.get(request.worker, lost("the scheduler did not restart it"))
         for address, other in outcomes.items():
             if other["outcome"] == LOST and address != request.worker:
                 self.logger.error("Restarting %s lost it: %s", address, other["why"])
@@ -240,22 +326,20 @@ class Recycler:
         stuck = tuple(key for address in targets for key in self._stuck.get(address, ()))
         if not any(address in self._workers() for address in targets):
             return {"status": "gone"}  # died or removed meanwhile: nothing left to recycle
-        reports = self.client.run(on_worker.drain, workers=targets, on_error="return")
+        reports = self.client.run(drain, workers=targets, on_error="return")
         if any(not isinstance(r, dict) or r["running"] > len(stuck) for r in reports.values()):
             return {"status": "busy"}
         not_started = {address: r["not_started"] for address, r in reports.items()}
         stimulus = f"prefect-gpu-dask-drain-{time.time()}"
         with self._lock:  # no submission may come to depend on these workers meanwhile
-            handed = self.client.run_on_scheduler(
-                on_scheduler.hand_back_queued, not_started, stimulus, list(stuck)
-            )
+            handed = self.client.run_on_scheduler(hand_back_queued, not_started, stimulus, list(stuck))
             if handed["status"] != "ok":
                 return {"status": "busy"}
-            found = self.client.run_on_scheduler(on_scheduler.blockers, targets, False, list(stuck))
+            found = self.client.run_on_scheduler(blockers, targets, False, list(stuck))
             if not found["reasons"]:
                 return self._restart_now(targets, whole_cluster=False, stuck=stuck)
         if found["stuck"]:
-            self.client.run(on_worker.resume, workers=targets, on_error="return")
+            self.client.run(resume, workers=targets, on_error="return")
             time.sleep(RESUMED_S)
         return {"status": "busy"}
 
@@ -269,19 +353,17 @@ class Recycler:
         return {"status": "busy"}
 
     def _blocked(self, targets: list[str]) -> list[str]:
-        return self.client.run_on_scheduler(on_scheduler.blockers, targets, True)["reasons"]
+        return self.client.run_on_scheduler(blockers, targets, True)["reasons"]
 
     def _restart_now(
         self, targets: list[str], whole_cluster: bool, stuck: tuple[str, ...] = ()
     ) -> dict[str, Any]:
         self._safe_at = time.perf_counter()
-        self._move_results(self.client.run_on_scheduler(on_scheduler.keys_on, targets))
+        self._move_results(self.client.run_on_scheduler(keys_on, targets))
         if stuck:
-            self.client.run_on_scheduler(on_scheduler.mark_interrupted, list(stuck), targets[0])
+            self.client.run_on_scheduler(mark_interrupted, list(stuck), targets[0])
         timeout = STUCK_RESTART_S if stuck else self.timeout
-        return self.client.run_on_scheduler(
-            on_scheduler.restart_if_safe, targets, timeout, whole_cluster, list(stuck)
-        )
+        return self.client.run_on_scheduler(restart_if_safe, targets, timeout, whole_cluster, list(stuck))
 
     # -- results ------------------------------------------------------------------
     def _unfinished(self) -> int:
@@ -316,9 +398,7 @@ class Recycler:
         if outcome["outcome"] == REPLACED:
             address = outcome["address"]
             replacement = {"outcome": REPLACED, "new_worker": address}
-            states = self.client.run(
-                on_worker.replacement_state, self.guard_name, workers=[address], on_error="return"
-            )
+            states = self.client.run(replacement_state, workers=[address], on_error="return")
             if isinstance(state := states.get(address), dict):
                 released = state.get("released_at")
                 replacement.update(

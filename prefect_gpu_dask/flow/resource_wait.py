@@ -3,13 +3,10 @@
 No GPU worker *yet* is not no GPU. On a cluster that can still grow (a remote
 scheduler, an adaptive or still-starting cluster) a ``gpu`` task keeps its resource
 annotation, and Dask holds it until a worker offering the resources joins. Only after
-``gpu_wait_s`` does ``on_missing_gpu`` apply:
-
-- flow: ``ResourceWait`` keeps each waiting task's deadline and, at it, asks the
-  scheduler once more; tasks nobody can serve yet are released;
-- scheduler: ``release`` lets such a task run without its resource restrictions;
-- worker: ``falling_back`` is the ``around`` that warns in the task run (``"cpu"``) or
-  fails it (``"error"``) where the worker running it lacks the resources.
+``gpu_wait_s`` does ``on_missing_gpu`` apply: ``ResourceWait`` keeps each waiting
+task's deadline and, at it, asks the scheduler once more; tasks nobody can serve yet
+are released to run where they can (``scheduler.fallback``), and the task run warns or
+fails where it runs (``worker.fallback``).
 
 On a local cluster the runner started without GPUs and without adaptivity nothing can
 join, so the route falls back at once and only the worker part runs.
@@ -19,98 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Mapping
 from typing import Any
 
-from prefect_gpu_dask.routing import Resources, WorkerOffers, satisfiable
-
-
-class MissingResourceError(RuntimeError):
-    """A task asked for a resource (e.g. a GPU) that no worker in the cluster offers."""
-
-
-# -- worker ----------------------------------------------------------------------------
-
-
-def falling_back(
-    message: str, fail: bool, unless_offered: Mapping[str, float] | None = None
-) -> Callable[[], AbstractContextManager[None]]:
-    """An ``around`` that announces a routing fallback in the task run, or fails it.
-
-    With ``unless_offered``, a worker that offers those resources (the one the task
-    waited for joined in time) runs the task as asked, without a word.
-    """
-
-    @contextmanager
-    def announce() -> Any:
-        if unless_offered is not None and satisfiable(unless_offered, [_worker_resources()]):
-            yield
-            return
-        if fail:
-            raise MissingResourceError(message)
-        from prefect.logging import get_run_logger
-
-        get_run_logger().warning(message)
-        yield
-
-    return announce
-
-
-def _worker_resources() -> Mapping[str, float]:
-    import distributed
-
-    from prefect_gpu_dask._compat import worker_resources
-
-    try:
-        return worker_resources(distributed.get_worker())
-    except ValueError:  # not on a Dask worker
-        return {}
-
-
-# -- scheduler -------------------------------------------------------------------------
-
-
-def release(dask_scheduler: Any, keys: list[str]) -> list[str]:
-    """Drop the resource restrictions of ``keys`` not started yet; return those released."""
-    from prefect_gpu_dask._compat import drop_resource_restrictions
-
-    return drop_resource_restrictions(dask_scheduler, keys, f"gpu-wait-over-{time.time()}")
-
-
-def stranded(dask_scheduler: Any, keys: list[str]) -> dict[str, Any]:
-    """Which of ``keys`` no worker can start: waiting for resources nobody offers, or
-    for any worker at all; and whether any worker is running."""
-    running = bool(dask_scheduler.running)
-    tasks = {}
-    for key in keys:
-        ts = dask_scheduler.tasks.get(key)
-        if ts is not None and (ts.state == "no-worker" or (ts.state == "queued" and not running)):
-            tasks[key] = dict(ts.resource_restrictions or {})
-    return {"tasks": tasks, "workers": running}
-
-
-def fail(dask_scheduler: Any, keys: list[str], message: str) -> list[str]:
-    """Fail ``keys`` still waiting for a worker with ``MissingResourceError(message)``;
-    what depends on them fails with them, as after Dask's own no-workers timeout."""
-    from distributed.protocol import pickle
-
-    stimulus_id = f"prefect-gpu-dask-stranded-{time.time()}"
-    failed, recommendations = [], {}
-    for key in keys:
-        ts = dask_scheduler.tasks.get(key)
-        if ts is None or ts.state not in ("no-worker", "queued"):
-            continue
-        error = pickle.dumps(MissingResourceError(message))
-        recommendations.update(
-            dask_scheduler.transition(key, "erred", exception=error, cause=key, stimulus_id=stimulus_id)
-        )
-        failed.append(key)
-    dask_scheduler.transitions(recommendations, stimulus_id)
-    return failed
-
-
-# -- flow ------------------------------------------------------------------------------
+from prefect_gpu_dask.flow.routing import WorkerOffers
+from prefect_gpu_dask.resources import Resources, satisfiable
+from prefect_gpu_dask.scheduler.fallback import fail, release, stranded
 
 
 class ResourceWait:

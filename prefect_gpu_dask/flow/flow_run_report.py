@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+from prefect_gpu_dask.flow.reporting import RESTART_EVENT, RESTARTS_KEY, TABLE_KEY, TASK_TABLE_DESCRIPTION
 from prefect_gpu_dask.records import LEAK, RestartRecord, TaskRecord
-from prefect_gpu_dask.reporting import RESTART_EVENT, RESTARTS_KEY, TABLE_KEY, TASK_TABLE_DESCRIPTION
 
 PAGE = 200  # the API's default page limit for artifacts
 EVENTS_PAGE = 50  # and its most events per page

@@ -1,6 +1,7 @@
 """The one way this package changes what a Prefect task runs: a clone around its function.
 
-Routing fallbacks, the memory guard and the lost-worker refusal each need the task run
+Routing fallbacks, the memory guard, the deadline watchdog, out-of-memory retries on
+another GPU and the refusals (a quarantined GPU, a dead worker) each need the task run
 to go through Prefect's engine as usual (states, logs, retries, the UI) while something
 happens around the user's code. ``with_around`` makes a shallow copy of the task whose
 function runs inside a context manager, sync or async alike. ``functools.wraps`` keeps
@@ -21,10 +22,17 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 Around = Callable[[], AbstractContextManager[Any]]
+# Runs one call of a task's (wrapped) function, wherever it chooses: ``place(fn, args, kwargs)``.
+Place = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 
-def around_fn(fn: Callable[..., Any], around: Around) -> Callable[..., Any]:
-    """``fn`` run inside ``with around():``; an exception raised on entering skips it."""
+def around_fn(fn: Callable[..., Any], around: Around, place: Place | None = None) -> Callable[..., Any]:
+    """``fn`` run inside ``with around():``; an exception raised on entering skips it.
+
+    ``place`` runs each call of that (sync) function: where it runs is its choice, and
+    ``around`` runs there with it. Async functions run every call in place: a call
+    moved elsewhere blocks its thread while it waits, which an event loop must not.
+    """
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
@@ -41,6 +49,13 @@ def around_fn(fn: Callable[..., Any], around: Around) -> Callable[..., Any]:
                 return fn(*args, **kwargs)
 
         wrapper = run
+        if place is not None:
+
+            @functools.wraps(fn)
+            def placed(*args: Any, **kwargs: Any) -> Any:
+                return place(run, args, kwargs)
+
+            wrapper = placed
     wrapper.__prefect_task_source__ = getattr(fn, "__prefect_task_source__", fn)  # type: ignore[attr-defined]
     return wrapper
 
@@ -73,21 +88,21 @@ def raising(error: BaseException) -> Around:
     return refuse
 
 
-def with_around(
-    task: T,
-    around: Around,
-    placed: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
-    **attributes: Any,
-) -> T:
+def with_around(task: T, around: Around, place: Place | None = None, **attributes: Any) -> T:
     """A shallow copy of a Prefect ``task`` whose function runs inside ``around()``.
 
-    ``placed`` wraps that function once more to choose where each call runs (the
-    out-of-memory retries' placement). ``attributes`` override task attributes on the
-    copy (e.g. ``retries=0``).
+    ``place`` chooses where each call of that function runs (the out-of-memory
+    retries' placement). ``attributes`` override task attributes on the copy (e.g.
+    ``retries=0``).
     """
     clone = copy.copy(task)
-    fn = around_fn(task.fn, around)
-    clone.fn = placed(fn) if placed is not None else fn  # type: ignore[attr-defined]
+    clone.fn = around_fn(task.fn, around, place)  # type: ignore[attr-defined]
     for name, value in attributes.items():
         setattr(clone, name, value)
     return clone
+
+
+def refused(task: T, error: BaseException) -> T:
+    """A copy of ``task`` whose run fails with ``error`` without running its function,
+    and is not retried."""
+    return with_around(task, raising(error), retries=0)

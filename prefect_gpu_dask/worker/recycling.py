@@ -1,16 +1,16 @@
 """The restart path on a worker: drain, resume, wait for a dead process's GPU memory,
 and refuse a task run whose previous worker died running it.
 
-``drain``/``resume``/``replacement_state`` run on the worker's event loop through
-``client.run``; ``wait_for_released_memory`` runs in the guard's ``setup`` of a
-replacement worker; ``announce_start`` and ``refusal`` run in the worker thread of a
-task run.
+Two doors: the guard hands each record to its ``WorkerRecycling`` (which drains the
+worker when the record asks for a restart, and, in a replacement, holds tasks off until
+the old process's GPU memory is gone); a task run passes ``admit`` before Prefect's
+engine starts. The flow's ``Recycler`` calls ``drain`` and ``resume`` on the worker's
+event loop through ``client.run``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -20,9 +20,12 @@ from typing import Any
 
 from distributed.core import Status
 
-from prefect_gpu_dask.recycling.scheduler import INTERRUPTED, STARTED_THERE, STARTED_TOPIC
+from prefect_gpu_dask._compat import current_worker
+from prefect_gpu_dask.errors import WorkerDiedError
+from prefect_gpu_dask.records import INTERRUPTED, STARTED_THERE, STARTED_TOPIC, TaskRecord
+from prefect_gpu_dask.worker.taskwrap import refused
 
-logger = logging.getLogger("prefect_gpu_dask.recycling")
+logger = logging.getLogger(__name__)
 
 # A drained worker whose flow never restarts it (the flow ended, restart="never"
 # elsewhere) takes tasks again after this long.
@@ -32,15 +35,6 @@ RELEASE_WAIT_S = 15.0
 NOT_STARTED = {"waiting", "ready", "constrained"}
 
 _drains: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
-
-
-class WorkerDiedError(BaseException):
-    """The Dask worker running this task run died before it finished.
-
-    A ``BaseException``, like Prefect's own ``TerminationSignal``: Prefect's engine
-    reports it as a crash (``Crashed``: infrastructure lost, not the task's code failing),
-    and never retries it.
-    """
 
 
 def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> dict[str, Any]:
@@ -75,6 +69,32 @@ def _expire_drain(dask_worker: Any, token: object) -> None:
         resume(dask_worker)
 
 
+class WorkerRecycling:
+    """One worker's part of the restart path, as its guard sees it."""
+
+    def __init__(self, worker: Any, policy: str):
+        self.worker = worker
+        self.policy = policy
+        self.release_wait_s = 0.0
+        self.memory_released_at: float | None = None  # wall clock, once a dead worker's memory was gone
+
+    async def wait_for_predecessor(self, probe: Any) -> None:
+        """In a replacement's guard setup: hold its tasks off until the GPU memory of the
+        process it replaces is gone (where ``probe`` can list the GPU's processes)."""
+        pids = getattr(probe, "process_pids", None)
+        if pids is not None:
+            self.release_wait_s = await wait_for_released_memory(pids)
+            self.memory_released_at = time.time()
+
+    def hand(self, record: TaskRecord, quarantined: bool) -> None:
+        """A guarded task's record. One that asks for a restart (``restart="worker"``,
+        the GPU not quarantined) drains the worker: it starts nothing new from now on,
+        and the flow restarts it once what it runs has finished. Queued before the task
+        returns, so the next task waiting for its slot never starts here."""
+        if record.restart_reason and self.policy == "worker" and not quarantined:
+            self.worker.loop.add_callback(drain, self.worker)
+
+
 async def wait_for_released_memory(pids: Callable[[], list[int]], timeout_s: float = RELEASE_WAIT_S) -> float:
     """Hold a new worker's tasks off until dead processes' GPU memory is gone.
 
@@ -90,32 +110,16 @@ async def wait_for_released_memory(pids: Callable[[], list[int]], timeout_s: flo
     return time.monotonic() - started
 
 
-def replacement_state(guard_name: str, dask_worker: Any = None) -> dict[str, Any]:
-    """Who this worker is and its GPU memory now: read from a replacement after a restart."""
-    guard = dask_worker.plugins.get(guard_name)
-    probe = getattr(guard, "probe", None)
-    baseline = getattr(guard, "baseline", None)
-    return {
-        "pid": os.getpid(),
-        "name": str(dask_worker.name),
-        "baseline": baseline.judged if baseline is not None else None,
-        "now": probe.sample().judged if probe is not None else None,
-        "released_at": getattr(guard, "memory_released_at", None),
-    }
-
-
 def announce_start() -> tuple[str | None, bool]:
     """In a task, before its Prefect engine starts: tell the scheduler this task run is
     starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
     worker). Returns the worker that died running this task before, if any, and whether
     that worker had started it (rather than only queued it)."""
+    worker = current_worker()
     try:
-        import distributed
-
-        worker = distributed.get_worker()
         key = worker.get_current_task()
         ts = worker.state.tasks.get(key)
-    except (ValueError, AttributeError, KeyError):
+    except (AttributeError, KeyError):  # not in a task (or outside any worker)
         return None, False
     if isinstance(key, str):
         worker.log_event(STARTED_TOPIC, {"key": key})
@@ -123,13 +127,28 @@ def announce_start() -> tuple[str | None, bool]:
     return marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
 
 
-def refusal(worker: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """An ``around`` for ``taskwrap.with_around`` that fails the task run, naming the dead worker."""
-    from prefect_gpu_dask.taskwrap import raising
+def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
+    """Before a task run's engine starts on this worker: ``(task to run, None)``, or
+    ``(None, state)`` where the run is over already and ``state`` is what it returns.
 
-    return raising(
-        WorkerDiedError(
-            f"Dask worker {worker} died while running this task run; it was not run a second "
-            "time (that could repeat its side effects). Submit it again to re-run it."
-        )
-    )
+    Dask sends back every task a dead worker held. One that never started there runs
+    now; one whose run already ended (the flow timed it out, then recycled the worker)
+    returns that state; one that was running is refused, naming the dead worker, so its
+    side effects do not run twice. ``task_run_state``: the run's state in Prefect's API
+    (None where it has none), asked only for such a task.
+    """
+    dead, started_there = announce_start()
+    if dead is None:
+        return task, None
+    state = task_run_state()
+    if state is not None and state.is_final():
+        return None, state
+    if started_there or (state is not None and state.is_running()):
+        return refused(
+            task,
+            WorkerDiedError(
+                f"Dask worker {dead} died while running this task run; it was not run a second "
+                "time (that could repeat its side effects). Submit it again to re-run it."
+            ),
+        ), None
+    return task, None

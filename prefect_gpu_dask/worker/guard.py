@@ -1,9 +1,10 @@
 """The per-task GPU memory guard that runs inside each Dask worker.
 
 ``GPUMemoryGuard`` is a small ``WorkerPlugin``: settings are validated before it is
-built (``RunnerSettings``), NVML (or the configured ``memory_probe``) is opened in
-``setup``, so CPU workers just log one line and do nothing. The runner clones each
-guarded Prefect task with ``taskwrap.with_around(task, guarding)``: this process's
+built (``RunnerSettings``), the worker's probe (NVML, or the configured
+``memory_probe``; its labels read the same one) is opened in ``setup``, so CPU workers
+just log one line and do nothing. The flow clones each guarded Prefect task with
+``taskwrap.with_around(task, guarding)``: this process's
 memory on its GPU is read right before and after the user's code, inside the task run
 (so the record lands in the task run's log), judged by ``verdict.verdict_for``, and
 sent to the flow as a ``TaskRecord`` in a Dask worker event.
@@ -27,21 +28,22 @@ from typing import Any
 from distributed import WorkerPlugin
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.activity import Activity, ActivityWatch
-from prefect_gpu_dask.health import HealthMonitor
-from prefect_gpu_dask.probe import (
+from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
+from prefect_gpu_dask.resources import GPU_RESOURCE
+from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
+from prefect_gpu_dask.worker.health import HealthMonitor
+from prefect_gpu_dask.worker.probe import (
     AllocatorBytes,
     MemoryProbe,
     MemorySample,
     allocator_reader,
     process_sampler,
+    worker_probe,
 )
-from prefect_gpu_dask.quarantine import HealthWatch
-from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
-from prefect_gpu_dask.recycling.worker import drain, wait_for_released_memory
-from prefect_gpu_dask.routing import GPU_RESOURCE
-from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
+from prefect_gpu_dask.worker.quarantine import HealthWatch
+from prefect_gpu_dask.worker.recycling import WorkerRecycling
+from prefect_gpu_dask.worker.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
 
 PLUGIN_NAME = "prefect-gpu-dask-guard"
 PEAK_INTERVAL_S = 0.005
@@ -49,7 +51,7 @@ PEAK_INTERVAL_S = 0.005
 # interval doubles while tasks run, up to this.
 PEAK_MAX_INTERVAL_S = 0.1
 
-logger = logging.getLogger("prefect_gpu_dask.guard")
+logger = logging.getLogger(__name__)
 
 
 def release_allocator_caches() -> None:
@@ -157,13 +159,10 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def __init__(self, settings: RunnerSettings | None = None):
         self.settings = settings if settings is not None else RunnerSettings()
-        if not isinstance(self.settings, RunnerSettings):
-            raise ValueError(f"settings {settings!r} is not a RunnerSettings")
         self.probe: MemoryProbe | None = None
         self.worker: Any = None
         self.baseline: MemorySample | None = None
-        self.release_wait_s = 0.0
-        self.memory_released_at: float | None = None  # wall clock, once a dead worker's memory was gone
+        self.recycling: WorkerRecycling | None = None
         self.tasks_run = 0
         self._tickets = itertools.count(1)  # next() is atomic: worker threads begin at once
         self._sampler: PeakSampler | None = None
@@ -181,7 +180,7 @@ class GPUMemoryGuard(WorkerPlugin):
     async def setup(self, worker: Any) -> None:
         self.worker = worker
         try:
-            self.probe = self.settings.open_probe()
+            self.probe = worker_probe(worker, self.settings.memory_probe)
         except Exception as exc:  # NVML present but unusable: guard off, worker fine
             logger.warning("GPU memory guard disabled on %s: %s", worker.address, exc)
             self.probe = None
@@ -190,10 +189,8 @@ class GPUMemoryGuard(WorkerPlugin):
             return
         # The CUDA context is created lazily by the first guarded task (begin()): a
         # worker that never runs one pays nothing, and the cluster starts faster.
-        pids = getattr(self.probe, "process_pids", None)
-        if pids is not None:  # a replacement: a dead worker's memory must be gone first
-            self.release_wait_s = await wait_for_released_memory(pids)
-            self.memory_released_at = time.time()
+        self.recycling = WorkerRecycling(worker, self.settings.restart)
+        await self.recycling.wait_for_predecessor(self.probe)  # a replacement: the old memory goes first
         self.baseline = self.probe.sample()
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
@@ -277,13 +274,10 @@ class GPUMemoryGuard(WorkerPlugin):
             self._activity.stop(ticket)
 
     def report(self, record: TaskRecord) -> None:
+        """Send ``record`` to the flow, and hand it to this worker's recycling."""
         self.worker.log_event(RECORD_TOPIC, record.to_event())
         quarantined = self.health is not None and self.health.quarantine is not None
-        if record.restart_reason and self.settings.restart == "worker" and not quarantined:
-            # Start nothing new here from now on: the flow restarts this worker once
-            # what it runs has finished. Queued before this task returns, so the next
-            # task waiting for this one's slot never starts here.
-            self.worker.loop.add_callback(drain, self.worker)
+        self.recycling.hand(record, quarantined)
 
 
 def _pool_threads() -> frozenset[threading.Thread]:
@@ -294,15 +288,27 @@ def _pool_threads() -> frozenset[threading.Thread]:
     return frozenset(t for t in threading.enumerate() if not t.daemon)
 
 
-def current_guard() -> GPUMemoryGuard | None:
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except ValueError:
-        return None
-    guard = worker.plugins.get(PLUGIN_NAME)
+def guard_of(dask_worker: Any) -> GPUMemoryGuard | None:
+    """``dask_worker``'s guard, where it has one guarding a GPU."""
+    guard = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
     return guard if isinstance(guard, GPUMemoryGuard) and guard.active else None
+
+
+def current_guard() -> GPUMemoryGuard | None:
+    """The guard of the worker this code runs in, where it guards a GPU."""
+    return guard_of(_compat.current_worker())
+
+
+def replacement_state(dask_worker: Any) -> dict[str, Any]:
+    """Who this worker is and its GPU memory now: read from a replacement after a restart."""
+    guard = guard_of(dask_worker)
+    return {
+        "pid": os.getpid(),
+        "name": str(dask_worker.name),
+        "baseline": guard.baseline.judged if guard is not None else None,
+        "now": guard.probe.sample().judged if guard is not None else None,
+        "released_at": guard.recycling.memory_released_at if guard is not None else None,
+    }
 
 
 def _task_identity() -> dict[str, Any]:
@@ -408,7 +414,7 @@ def _clear_frames(exc: BaseException) -> None:
 def guarding() -> Iterator[None]:
     """Measure the task run inside it with this worker's guard (a no-op without one).
 
-    The ``around`` the runner clones guarded tasks with (``taskwrap.with_around``).
+    The ``around`` the flow clones guarded tasks with (``taskwrap.with_around``).
     """
     guard = current_guard()
     if guard is None:

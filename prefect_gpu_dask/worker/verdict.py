@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefect_gpu_dask.probe import AllocatorBytes, MemoryProbe, MemorySample
 from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, OOM, format_bytes
 from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker.probe import AllocatorBytes, MemoryProbe, MemorySample
 
 
 @dataclass(frozen=True)
@@ -111,22 +111,21 @@ def _read(probe: MemoryProbe, allocators: Callable[[], AllocatorBytes]) -> Memor
 
 
 def judge(
-    probe: MemoryProbe,
+    read: Callable[[], MemorySample],
     before: MemorySample,
     settings: RunnerSettings,
     release_caches: Callable[[], None],
-    sleep: Callable[[float], None] = time.sleep,
-    allocators: Callable[[], AllocatorBytes] = no_allocators,
-    grew_before: bool = False,
+    sleep: Callable[[float], None],
+    grew_before: bool,
 ) -> tuple[str, MemorySample]:
-    """Sample after a task and decide clean / cached / library / leak, flushing only when needed.
+    """Sample after a task (``read``) and decide clean / cached / library / leak,
+    flushing only when needed.
 
     Memory in use (``MemorySample.live``) is what is judged, so warm pools stay warm
     for the next task; only growth the pools cannot explain triggers the flush.
     ``grew_before``: this task already left growth outside every allocator on this
     worker thread, so doing it again is no library's one-time cost.
     """
-    read = functools.partial(_read, probe, allocators)
     after = read()
     if after.live - before.live <= settings.leak_threshold:
         # The hot path: two NVML reads, no flush.
@@ -186,16 +185,17 @@ def verdict_for(
     """The verdict on one task. ``oom``: the task failed on a CUDA out-of-memory error;
     its verdict is ``oom``, and its worker is recycled only if, with the pools flushed,
     the memory has not come back."""
+    read = functools.partial(_read, probe, allocators)
     if oom is not None:
         release_caches()
         sleep(settings.settle_s)
-        after = _read(probe, allocators)
+        after = read()
         delta = after.live - before.live
         return Verdict(OOM, before, after, delta, restart_reason(OOM, after, delta, tasks_run, settings), oom)
-    status, after = judge(probe, before, settings, release_caches, sleep, allocators, grew_before)
+    status, after = judge(read, before, settings, release_caches, sleep, grew_before)
     if status != LEAK and over_limit(after, settings):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
-        after = _read(probe, allocators)
+        after = read()
     delta = after.live - before.live
     return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))

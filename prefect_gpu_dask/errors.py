@@ -1,0 +1,23 @@
+"""The errors a task run fails with when the cluster cannot run it as asked.
+
+Raised on a worker or the scheduler, and seen by the flow.
+"""
+
+from __future__ import annotations
+
+
+class MissingResourceError(RuntimeError):
+    """A task asked for a resource (e.g. a GPU) that no worker in the cluster offers."""
+
+
+class UnhealthyGPUError(RuntimeError):
+    """A ``gpu`` task reached a quarantined GPU and no healthy one is left in the cluster."""
+
+
+class WorkerDiedError(BaseException):
+    """The Dask worker running this task run died before it finished.
+
+    A ``BaseException``, like Prefect's own ``TerminationSignal``: Prefect's engine
+    reports it as a crash (``Crashed``: infrastructure lost, not the task's code failing),
+    and never retries it.
+    """

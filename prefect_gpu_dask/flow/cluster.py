@@ -1,0 +1,180 @@
+"""Which Dask cluster the runner starts or joins, and where a started one may listen.
+
+With no ``address`` and no ``cluster_class`` the runner asks NVML how many GPUs this
+host has: one or more (and dask-cuda installed) gives a ``LocalCUDACluster`` with one
+worker per GPU, each labelled ``GPU=1``; none gives a CPU ``LocalCluster``. Local
+clusters bind to loopback only: GPU hosts are a favourite target for crypto-miners.
+
+Their worker processes are forked from a server process that has already imported
+Prefect, Dask and this package (``forkserver``). ``start_or_join`` is the runner's one
+way to its client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import dask
+import distributed
+from prefect_dask import DaskTaskRunner
+
+from prefect_gpu_dask import forkserver, nvml
+from prefect_gpu_dask.resources import GPU_RESOURCE
+
+if TYPE_CHECKING:
+    from prefect_gpu_dask.flow.runner import GPUDaskTaskRunner
+
+
+LOOPBACK = "127.0.0.1"
+# How long a scheduler keeps a task nobody can run before failing it ("error" mode).
+NO_WORKERS_TIMEOUT = "10s"
+# More than one thread per GPU worker overlaps Python overhead with GPU work and lets
+# a gpu task's own Dask graph run beside it (docs/performance.md). gpu-tagged tasks
+# still take the GPU one at a time.
+GPU_WORKER_THREADS = 8
+
+
+def has_dask_cuda() -> bool:
+    # find_spec, not import: importing dask_cuda needs the CUDA runtime bindings.
+    return importlib.util.find_spec("dask_cuda") is not None
+
+
+def cluster_class_name(cluster_class: str | Callable[..., Any]) -> str:
+    if isinstance(cluster_class, str):
+        return cluster_class
+    return f"{cluster_class.__module__}.{getattr(cluster_class, '__qualname__', cluster_class)}"
+
+
+def is_local_cuda_cluster(cluster_class: str | Callable[..., Any]) -> bool:
+    return cluster_class_name(cluster_class).rsplit(".", 1)[-1] == "LocalCUDACluster"
+
+
+def is_local_cpu_cluster(cluster_class: str | Callable[..., Any]) -> bool:
+    """``LocalCluster`` or a subclass of it (those bind where it binds)."""
+    if isinstance(cluster_class, type) and issubclass(cluster_class, distributed.LocalCluster):
+        return True
+    return cluster_class_name(cluster_class).rsplit(".", 1)[-1] == "LocalCluster"
+
+
+def default_cluster_class(logger: logging.Logger) -> type:
+    gpus = nvml.visible_gpu_count()
+    if gpus and has_dask_cuda():
+        from dask_cuda import LocalCUDACluster
+
+        logger.info("Found %d GPU(s): starting a LocalCUDACluster, one worker per GPU", gpus)
+        return LocalCUDACluster
+    if gpus:
+        logger.warning(
+            "Found %d GPU(s) but dask-cuda is not installed (pip install "
+            "'prefect-gpu-dask[cuda12]' or '[cuda13]'): starting a CPU LocalCluster",
+            gpus,
+        )
+    else:
+        logger.info("No GPU found: starting a CPU LocalCluster; gpu-tagged tasks run on CPU")
+    return distributed.LocalCluster
+
+
+def local_cluster_kwargs(
+    cluster_class: str | Callable[..., Any], cluster_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The user's kwargs plus our defaults: GPU labels and loopback-only sockets."""
+    kwargs = dict(cluster_kwargs)
+    if is_local_cuda_cluster(cluster_class):
+        # LocalCUDACluster labels no resources by default, so gpu tasks would hang.
+        kwargs.setdefault("resources", {GPU_RESOURCE: 1})
+        kwargs.setdefault("threads_per_worker", GPU_WORKER_THREADS)
+    if is_local_cuda_cluster(cluster_class) or is_local_cpu_cluster(cluster_class):
+        # In-process clusters talk over inproc://, which takes no host.
+        if "interface" not in kwargs and kwargs.get("processes", True):
+            kwargs.setdefault("host", LOOPBACK)
+        kwargs.setdefault("dashboard_address", f"{LOOPBACK}:0")
+    # Defaults only where the class takes them: a subclass may narrow __init__.
+    return {k: v for k, v in kwargs.items() if k in cluster_kwargs or _accepts(cluster_class, k)}
+
+
+def _accepts(cluster_class: str | Callable[..., Any], name: str) -> bool:
+    if isinstance(cluster_class, str):
+        return True
+    try:
+        parameters = inspect.signature(cluster_class).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def adapt(cluster: Any, adapt_kwargs: dict[str, Any]) -> None:
+    """``cluster.adapt(**adapt_kwargs)``, awaited where it is a coroutine or returns an
+    awaitable (a cluster class built on an async API), in the cluster's own event loop."""
+    if inspect.iscoroutinefunction(cluster.adapt):
+        cluster.sync(cluster.adapt, **adapt_kwargs)
+        return
+    result = cluster.adapt(**adapt_kwargs)
+    if inspect.isawaitable(result):
+        cluster.sync(lambda: result)
+
+
+def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(cluster_class):
+        return cluster_class
+    from prefect.utilities.importtools import from_qualified_name
+
+    return from_qualified_name(cluster_class)
+
+
+def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:
+    """Start the cluster ``runner`` names (or make the user's cluster adaptive), then
+    connect as prefect-dask does.
+
+    Returns the client and whether workers may still join (an ``address``, a
+    ``cluster``, a non-local ``cluster_class`` or ``adapt_kwargs``): where they may,
+    a task waits ``gpu_wait_s`` for a worker offering its resources.
+    """
+    _start_cluster(runner)
+    # prefect-dask calls an existing cluster's adapt() without awaiting it: the
+    # cluster this runner built or was given was made adaptive just above.
+    adapt_kwargs, runner.adapt_kwargs = runner.adapt_kwargs, {}
+    try:
+        client = DaskTaskRunner.client.fget(runner)
+    finally:
+        runner.adapt_kwargs = adapt_kwargs
+    can_grow = not (
+        runner._made_cluster and isinstance(runner._cluster, distributed.LocalCluster) and not adapt_kwargs
+    )
+    return client, can_grow
+
+
+def _start_cluster(runner: GPUDaskTaskRunner) -> None:
+    if runner._cluster is not None and runner.adapt_kwargs:
+        adapt(runner._cluster, runner.adapt_kwargs)  # the user's cluster, made adaptive
+    if runner._cluster is not None or runner.address:
+        return
+    try:
+        distributed.get_client()
+        return  # a default client (inside a Dask worker: the parent's): prefect-dask uses it
+    except ValueError:
+        pass
+    if runner.cluster_class:
+        cluster_class = resolve_cluster_class(runner.cluster_class)
+    else:
+        cluster_class = default_cluster_class(runner.logger)
+    kwargs = local_cluster_kwargs(cluster_class, runner.cluster_kwargs)
+    if runner.security is not None:
+        kwargs.setdefault("security", runner.security)
+    runner.logger.info("Creating a new Dask cluster with `%s`", cluster_class_name(cluster_class))
+    config = (
+        {"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT}
+        if runner.settings.on_missing_gpu == "error" and not runner.adapt_kwargs
+        else {}
+    )
+    cuda = is_local_cuda_cluster(cluster_class)
+    if (cuda or is_local_cpu_cluster(cluster_class)) and kwargs.get("processes", True):
+        runner._exit_stack.enter_context(forkserver.worker_processes(cuda))
+    with dask.config.set(config):
+        runner._cluster = runner._exit_stack.enter_context(cluster_class(**kwargs))
+    runner._made_cluster = True
+    if runner.adapt_kwargs:
+        adapt(runner._cluster, runner.adapt_kwargs)

@@ -1,0 +1,393 @@
+"""``GPUDaskTaskRunner``: prefect-dask's runner, made GPU-aware. It wires the parts and
+implements none of them.
+
+It keeps ``prefect_dask.DaskTaskRunner``'s lifecycle (lazy client and cluster,
+futures, ``map``, adapt, performance reports) and adds: settings validated once
+(``settings``), the cluster it starts or joins (``cluster``), how each task runs
+(``routing``), a cheaper path for sending a task run to a worker (``submission``),
+the plugins on the workers (the guard, the labels), the restart path it feeds
+(``recycling``), and what the Prefect UI shows (``reporting``). Like any subclass it
+uses prefect-dask's own ``_client``, ``_cluster``, ``_exit_stack`` and ``_started``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar, overload
+
+import dask
+import distributed
+from prefect.client.schemas.objects import RunInput
+from prefect.context import FlowRunContext, TagsContext
+from prefect.futures import PrefectFuture, PrefectFutureList
+from prefect.tasks import Task
+from prefect_dask import DaskTaskRunner
+from prefect_dask.client import PrefectDaskClient
+from prefect_dask.task_runners import PrefectDaskFuture
+
+from prefect_gpu_dask._compat import current_worker
+from prefect_gpu_dask.errors import MissingResourceError
+from prefect_gpu_dask.flow import cluster as clusters
+from prefect_gpu_dask.flow import reporting
+from prefect_gpu_dask.flow.prefect_api import share_ephemeral_api
+from prefect_gpu_dask.flow.recycling import Recycler
+from prefect_gpu_dask.flow.resource_wait import ResourceWait
+from prefect_gpu_dask.flow.routing import TagRouter, WorkerOffers
+from prefect_gpu_dask.flow.submission import TaskSubmitter
+from prefect_gpu_dask.records import (
+    RECORD_TOPIC,
+    UNHEALTHY_TOPIC,
+    GPUQuarantine,
+    RestartRecord,
+    TaskRecord,
+)
+from prefect_gpu_dask.resources import uses_gpu
+from prefect_gpu_dask.settings import (
+    GuardScope,
+    OnMissingGPU,
+    RestartPolicy,
+    RunnerSettings,
+    check_connection,
+)
+from prefect_gpu_dask.worker.guard import GPUMemoryGuard
+from prefect_gpu_dask.worker.labels import GPULabels
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+__all__ = ["GPUDaskTaskRunner", "MissingResourceError"]
+
+
+class GPUDaskTaskRunner(DaskTaskRunner):
+    """A Dask task runner that routes ``gpu``-tagged tasks to GPU workers and guards their memory.
+
+    It takes ``prefect_dask.DaskTaskRunner``'s arguments, plus ``security`` and
+    ``allow_insecure`` for remote clusters and the GPU settings of ``RunnerSettings``
+    (the README's table lists them all). With no ``address`` or ``cluster_class`` it
+    starts a ``LocalCUDACluster`` (one worker per GPU) where it finds GPUs, and a CPU
+    ``LocalCluster`` otherwise, where ``gpu`` tasks run with a warning
+    (``on_missing_gpu="cpu"``) or fail (``"error"``). After a flow run, ``records``,
+    ``restarts`` and ``quarantines`` say what the guard saw, which workers were
+    recycled and which GPUs were found sick.
+
+    Example:
+        ```python
+        from prefect import flow, task
+        from prefect_gpu_dask import GPUDaskTaskRunner, array_module
+
+        @task(tags=["gpu"])
+        def total(n: int) -> float:
+            xp = array_module()          # cupy on a GPU worker, numpy otherwise
+            return float(xp.arange(n).sum())
+
+        @flow(task_runner=GPUDaskTaskRunner())
+        def nightly() -> float:
+            return total.submit(1000).result()
+
+        if __name__ == "__main__":
+            assert nightly() == 499500.0
+        ```
+    """
+
+    def __init__(
+        self,
+        cluster: distributed.deploy.Cluster | None = None,
+        address: str | None = None,
+        cluster_class: str | Callable[..., distributed.deploy.Cluster] | None = None,
+        cluster_kwargs: dict[str, Any] | None = None,
+        adapt_kwargs: dict[str, Any] | None = None,
+        client_kwargs: dict[str, Any] | None = None,
+        performance_report_path: str | None = None,
+        *,
+        security: distributed.Security | None = None,
+        allow_insecure: bool = False,
+        tag_resources: Mapping[str, Mapping[str, float]] | None = None,
+        on_missing_gpu: OnMissingGPU = "cpu",
+        guard: GuardScope = "gpu",
+        leak_threshold: int | str = "256MiB",
+        memory_limit: float = 0.9,
+        restart: RestartPolicy = "worker",
+        restart_after_tasks: int | None = None,
+        memory_probe: str | Callable[[], Any] | None = None,
+        oom_retries: int = 0,
+        gpu_wait_s: float = 60.0,
+        health_check_s: float | None = 30.0,
+    ):
+        self.settings = RunnerSettings(
+            tag_resources=tag_resources if tag_resources is not None else {},
+            on_missing_gpu=on_missing_gpu,
+            guard=guard,
+            leak_threshold=leak_threshold,
+            memory_limit=memory_limit,
+            restart=restart,
+            restart_after_tasks=restart_after_tasks,
+            memory_probe=memory_probe,
+            oom_retries=oom_retries,
+            gpu_wait_s=gpu_wait_s,
+            health_check_s=health_check_s,
+        )
+        check_connection(address, security, allow_insecure)
+        self.router = TagRouter(self.settings.tag_resources)
+        self.security = security
+        self.allow_insecure = allow_insecure
+        self._user_client_kwargs = dict(client_kwargs or {})
+        if security is not None:
+            client_kwargs = {**self._user_client_kwargs, "security": security}
+        # On a Dask worker (where Prefect re-creates the runner) the cluster class is not
+        # imported: some (dask-jobqueue's) set a signal handler at import, which only the
+        # main thread may do. The flow side imports it here, so a typo fails at once.
+        deferred = isinstance(cluster_class, str) and current_worker() is not None
+        super().__init__(
+            cluster=cluster,
+            address=address,
+            cluster_class=functools.partial(clusters.resolve_cluster_class, cluster_class)
+            if deferred
+            else cluster_class,
+            cluster_kwargs=cluster_kwargs,
+            adapt_kwargs=adapt_kwargs,
+            client_kwargs=client_kwargs,
+            performance_report_path=performance_report_path,
+        )
+        if deferred:
+            self.cluster_class, self.resolved_cluster_class = cluster_class, None
+        self._offers: WorkerOffers | None = None
+        self._recycler: Recycler | None = None
+        self._resource_wait: ResourceWait | None = None
+        self._submitter: TaskSubmitter | None = None
+        self._can_grow = True  # workers may still join: tasks wait for their resources
+        self._guard_on = False
+        self._flow_run_id: str | None = None
+        self._flow_name: str | None = None  # keys the right-sizing history
+        self._live: reporting.LivePublisher | None = None
+        self._made_cluster = False  # a cluster this runner built closes with the flow
+
+    # -- settings round-trip ------------------------------------------------------
+    def _arguments(self) -> dict[str, Any]:
+        """Every constructor argument but the live ``cluster`` object."""
+        return dict(
+            address=self.address,
+            cluster_class=self.cluster_class,
+            cluster_kwargs=self.cluster_kwargs,
+            adapt_kwargs=self.adapt_kwargs,
+            client_kwargs=self._user_client_kwargs,
+            performance_report_path=self.performance_report_path,
+            security=self.security,
+            allow_insecure=self.allow_insecure,
+            **self.settings.arguments(),
+        )
+
+    def duplicate(self) -> GPUDaskTaskRunner:
+        # Prefect's flow engine runs the duplicate: a cluster the user passed in comes along.
+        user_cluster = None if self._made_cluster else self._cluster
+        return type(self)(cluster=user_cluster, **self._arguments())
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._arguments() == other._arguments()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable settings, like the parent
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A runner travels to workers inside Prefect's context: send settings only,
+        # never a live client, cluster or thread.
+        return (functools.partial(type(self), **self._arguments()), ())
+
+    # -- what happened ------------------------------------------------------------
+    @property
+    def restarts(self) -> tuple[RestartRecord, ...]:
+        """Workers this runner recycled, in order."""
+        return self._recycler.restarts if self._recycler is not None else ()
+
+    @property
+    def records(self) -> tuple[TaskRecord, ...]:
+        """The guard's records of this flow run's tasks, as the scheduler keeps them."""
+        if self._client is None or self._flow_run_id is None or not self._guard_on:
+            return ()
+        events = self._client.get_events(RECORD_TOPIC)
+        records = (TaskRecord.from_event(event) for _, event in events)
+        return tuple(r for r in records if r.flow_run_id == self._flow_run_id)
+
+    @property
+    def quarantines(self) -> tuple[GPUQuarantine, ...]:
+        """GPUs found unhealthy in this runner's cluster, the latest word on each."""
+        if self._client is None or not self._guard_on:
+            return ()
+        latest = {}
+        for _, event in self._client.get_events(UNHEALTHY_TOPIC):
+            record = GPUQuarantine.from_event(event)
+            latest[record.worker] = record
+        return tuple(sorted(latest.values(), key=lambda q: q.time))
+
+    @property
+    def worker_offers(self) -> WorkerOffers | None:
+        """What the cluster's workers advertise, as routing last heard it."""
+        return self._offers
+
+    # -- cluster ------------------------------------------------------------------
+    @property
+    def client(self) -> PrefectDaskClient:
+        if self._client is None:
+            client, self._can_grow = clusters.start_or_join(self)
+            self._offers = WorkerOffers.of_client(client)
+            self._resource_wait = ResourceWait(
+                client, self._offers, self.logger, self.settings.on_missing_gpu
+            )
+            self._recycler = Recycler(
+                client, self.settings.restart, self.logger, on_restart=self._on_restart, ours=self._ours
+            )
+            self._recycler.start()
+            self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait)
+            self._register_plugins(client)
+        return self._client
+
+    def _register_plugins(self, client: distributed.Client) -> None:
+        """The labels on every worker, and the guard where the cluster has (or may get) a GPU.
+
+        Registered on the scheduler: workers that join later get them too, and each
+        decides for itself whether it has a GPU to label or guard.
+        """
+        try:
+            client.register_plugin(GPULabels(self.settings), name=GPULabels.name)
+        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the workers
+            self.logger.warning("Could not label GPU workers with their model and memory: %s", exc)
+        offered = self._offers.refresh()
+        if self.settings.guard == "off":
+            return
+        if not any(uses_gpu(r) for r in offered) and not self._can_grow:
+            self.logger.info("No GPU workers in this cluster: the GPU memory guard is a no-op")
+            return
+        self._live = reporting.LivePublisher(self.logger)
+        # Heard before the guards start: a GPU found sick at setup is reported at once.
+        client.subscribe_topic(RECORD_TOPIC, self._on_record)
+        client.subscribe_topic(UNHEALTHY_TOPIC, self._on_unhealthy)
+        client.register_plugin(GPUMemoryGuard(self.settings), name=GPUMemoryGuard.name)
+        self._guard_on = True
+        for quarantine in self.quarantines:  # found before this flow, on a shared cluster
+            self._recycler.quarantined(quarantine)
+
+    # -- submission ---------------------------------------------------------------
+    @overload
+    def submit(
+        self,
+        task: Task[P, Coroutine[Any, Any, R]],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectDaskFuture[R]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectDaskFuture[R]: ...
+
+    @overload
+    def submit(
+        self,
+        task: Task[Any, R],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectDaskFuture[R]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectDaskFuture[R]: ...
+
+    def submit(
+        self,
+        task: Task[P, R] | Task[P, Coroutine[Any, Any, R]],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectDaskFuture[R]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectDaskFuture[R]:
+        if not self._started:
+            raise RuntimeError("The task runner must be started before submitting work.")
+        self.client  # noqa: B018  # start the cluster before routing needs its workers
+        if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
+            self._flow_run_id = str(ctx.flow_run.id)
+            self._flow_name = ctx.flow.name if ctx.flow is not None else None
+        # Routed under the recycler's hold: a worker being recycled is not "missing".
+        with self._recycler.submissions():
+            route = self.router.route(
+                task.name,
+                task.tags | TagsContext.get().current_tags,
+                dask.get_annotations().get("resources"),
+                self._offers,
+                self.settings.on_missing_gpu,
+                self._wait_s(),
+                guard=self.settings.guard if self._guard_on else "off",
+                timeout_s=task.timeout_seconds,
+                oom_retries=self.settings.oom_retries,
+            )
+            return self._submitter.submit(task, route, parameters, wait_for, dependencies)
+
+    @overload
+    def map(
+        self,
+        task: Task[P, Coroutine[Any, Any, R]],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+    ) -> PrefectFutureList[PrefectDaskFuture[R]]: ...
+
+    @overload
+    def map(
+        self,
+        task: Task[P, R],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+    ) -> PrefectFutureList[PrefectDaskFuture[R]]: ...
+
+    def map(
+        self,
+        task: Task[P, R],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+    ) -> PrefectFutureList[PrefectDaskFuture[R]]:
+        return super().map(task, parameters, wait_for)
+
+    def _wait_s(self) -> float:
+        """How long a task waits for a worker offering its resources: none where none can join."""
+        return self.settings.gpu_wait_s if self._can_grow else 0.0
+
+    def _ours(self, flow_run_id: str | None) -> bool:
+        """Whether an event naming ``flow_run_id`` is about this runner's flow run."""
+        return not self._flow_run_id or flow_run_id in (None, self._flow_run_id)
+
+    # -- what the workers report --------------------------------------------------
+    def _on_record(self, event: tuple[float, dict[str, Any]]) -> None:
+        record = TaskRecord.from_event(event[1])
+        if not self._ours(record.flow_run_id):
+            return
+        self._live.publish(record)  # the artifact and the leak event, in the flow's context
+        if record.restart_reason:
+            self._recycler.request(record.worker, record.restart_reason, record)
+
+    def _on_unhealthy(self, event: tuple[float, dict[str, Any]]) -> None:
+        quarantine = GPUQuarantine.from_event(event[1])
+        self._recycler.quarantined(quarantine)
+        self._offers.refresh_soon()
+        self._live.quarantined(quarantine)
+
+    def _on_restart(self, restart: RestartRecord) -> None:
+        reporting.emit_restart_event(restart)
+        if restart.lost:  # what waited for that worker may have nowhere left to run
+            self._resource_wait.strand(self._recycler.unfinished_keys(), self._wait_s())
+
+    # -- context ------------------------------------------------------------------
+    def __enter__(self) -> GPUDaskTaskRunner:
+        super().__enter__()
+        share_ephemeral_api(self._exit_stack)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            # A client that lost its scheduler would wait out its reconnect timeout.
+            connected = self._client is not None and self._client.status == "running"
+            if self._resource_wait is not None:
+                self._resource_wait.close()
+            if self._recycler is not None:
+                # A remote cluster outlives the flow: finish its restarts. A local one is closing.
+                self._recycler.close(wait=connected and not self._made_cluster)
+            if self._live is not None:
+                self._live.close()
+            if self._guard_on and self._flow_run_id and connected:
+                records, restarts, quarantines = self.records, self.restarts, self.quarantines
+                if records or restarts or quarantines:
+                    reporting.publish_artifacts(
+                        self._flow_run_id, records, restarts, quarantines, self._flow_name, self.logger
+                    )
+        except Exception:
+            self.logger.exception("Could not publish the GPU memory report")
+        finally:
+            super().__exit__(*exc_info)

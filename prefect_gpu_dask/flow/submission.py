@@ -1,0 +1,224 @@
+"""Sending a Prefect task run to a Dask worker as its ``Route`` says, without paying
+for settings every time.
+
+The flow side; the worker side is ``worker.taskrun``.
+
+prefect-dask serialises the whole Prefect context for every task, and the worker
+rebuilds it. Profiled, almost all of that is the settings context: dumping it on the
+flow side and re-validating it (pydantic-settings re-reads the environment) on the
+worker, per task. Settings do not change within a flow run, so
+here they are dumped once per settings object and rebuilt once per worker process,
+keyed by a token made when they are first dumped. Everything else (flow run, tags,
+assets, task run) is serialised per task exactly as prefect-dask does, and sealed
+(``payload``) so that the scheduler never unpickles a Prefect object.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+from uuid import uuid4
+
+import dask
+import distributed
+from prefect.context import EngineContext, SettingsContext, serialize_context
+from prefect.utilities.collections import visit_collection
+from prefect.utilities.engine import collect_task_run_inputs_sync
+from prefect_dask.task_runners import PrefectDaskFuture
+
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
+from prefect_gpu_dask.flow.resource_wait import ResourceWait
+from prefect_gpu_dask.flow.routing import Route
+from prefect_gpu_dask.payload import Shared, seal
+from prefect_gpu_dask.worker.deadline import deadline
+from prefect_gpu_dask.worker.entry import run_prefect_task
+from prefect_gpu_dask.worker.fallback import falling_back
+from prefect_gpu_dask.worker.guard import guarding
+from prefect_gpu_dask.worker.oom_retry import oom_retry_condition, placing
+from prefect_gpu_dask.worker.taskwrap import stacked, with_around
+
+if TYPE_CHECKING:
+    from prefect_gpu_dask.worker.taskwrap import Around
+
+_SETTINGS = _compat.context_var(SettingsContext)
+_ENGINE = _compat.context_var(EngineContext)
+SHARED_KEPT = 1024  # fixed parts of the task runs submitted lately
+CLONES_KEPT = 1024  # tasks dressed lately, with what runs around them
+
+
+class _Serialized:
+    """Stands in for a context object while Prefect serialises the current context.
+
+    Everything reads through to the real object; only ``serialize()`` is answered
+    from the copy made the first time.
+    """
+
+    def __init__(self, real: Any):
+        self._real = real
+        self._serialized = real.serialize()
+
+    def serialize(self, include_secrets: bool = True) -> dict[str, Any]:
+        return self._serialized
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class TaskSubmitter:
+    """Turns a Prefect task, its ``Route`` and its parameters into one ``Client.submit``.
+
+    The route is applied as it is: the task is cloned with what runs around its
+    function on the worker (``dressed``), submitted asking for the route's resources,
+    its deadline handed to ``ResourceWait`` where it waits for them, and its future to
+    the ``Recycler``, which may move its result out of a worker it restarts.
+
+    What is fixed for a flow run travels as ``Shared`` blobs: the task object, the
+    settings and the flow-run context (whose result-store block regenerates its JSON
+    schema on every dump). Only the task run's own parameters and ids are pickled per
+    task.
+    """
+
+    def __init__(self, client: distributed.Client, recycler: Recycler, resource_wait: ResourceWait) -> None:
+        self._client = client
+        self._recycler = recycler
+        self._resource_wait = resource_wait
+        self._stand_ins: dict[type, tuple[Any, _Serialized]] = {}
+        # Bounded: task objects made on the fly must not all stay alive here.
+        self._shared: OrderedDict[tuple[str, int], tuple[Any, Shared]] = OrderedDict()
+        self._clones: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
+
+    def submit(
+        self,
+        task: Any,
+        route: Route,
+        parameters: dict[str, Any],
+        wait_for: Any,
+        dependencies: dict[str, Any] | None,
+    ) -> RecyclableFuture:
+        """Send one run of ``task`` as ``route`` says."""
+        task = self.dressed(task, route)
+        annotate = dask.annotate(resources=route.resources) if route.resources else nullcontext()
+        with annotate:
+            wait_for = _resolved(wait_for) if wait_for else None
+            future = self._send(task, _resolved(parameters), wait_for, dependencies)
+        if route.wait_s:
+            self._resource_wait.add(future.key, route.resources, route.wait_s)
+        tracked = RecyclableFuture(wrapped_future=future, task_run_id=future.task_run_id)
+        self._recycler.track(future.key, tracked)
+        return tracked
+
+    def dressed(self, task: Any, route: Route) -> Any:
+        """``task`` with what ``route`` says runs around its function on the worker (a
+        fallback's warning or failure, the guard, the deadline watchdog, out-of-memory
+        retries and their placement), or as it is."""
+        arounds: dict[str, Around] = {}
+        if route.fallback is not None:
+            arounds[route.message] = falling_back(route.message, route.fallback == "error", route.waited_for)
+        if route.guard:
+            arounds["guard"] = guarding
+        if route.deadline:
+            arounds["deadline"] = deadline
+        if not arounds and not route.oom_retries:
+            return task
+        # A retry's placement asks for the route's resources, which the tags in context may change.
+        placement = (route.oom_retries, tuple(sorted(route.resources.items()))) if route.oom_retries else ()
+        key = (id(task), " + ".join(arounds), placement)
+        cached = self._clones.get(key)
+        if cached is None or cached[0] is not task:
+            # One clone per task object and purpose: Prefect's engine and the pickle cache
+            # (``_share``) key on the task object.
+            cached = self._clones[key] = (task, self._clone(task, route, arounds))
+            while len(self._clones) > CLONES_KEPT:
+                self._clones.popitem(last=False)
+        return cached[1]
+
+    @staticmethod
+    def _clone(task: Any, route: Route, arounds: dict[str, Around]) -> Any:
+        if not route.oom_retries:
+            return with_around(task, stacked(*arounds.values()))
+        return with_around(
+            task,
+            stacked(*arounds.values()),
+            placing(route.resources),
+            retries=task.retries + route.oom_retries,
+            retry_condition_fn=oom_retry_condition(route.oom_retries, task.retries, task.retry_condition_fn),
+        )
+
+    def _stand_in(self, context_type: Any) -> _Serialized | None:
+        current = context_type.get()
+        if current is None:
+            return None
+        cached = self._stand_ins.get(context_type)
+        if cached is None or cached[0] is not current:
+            cached = self._stand_ins[context_type] = (current, _Serialized(current))
+        return cached[1]
+
+    def _share(self, kind: str, owner: Any, value: Any) -> Shared:
+        cached = self._shared.get((kind, id(owner)))
+        if cached is None or cached[0] is not owner:
+            cached = self._shared[(kind, id(owner))] = (owner, Shared(value))
+            while len(self._shared) > SHARED_KEPT:
+                self._shared.popitem(last=False)
+        return cached[1]
+
+    def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
+        settings = self._stand_in(SettingsContext)
+        engine = self._stand_in(EngineContext)
+        resets = [(_SETTINGS, _SETTINGS.set(settings))]
+        if engine is not None:
+            resets.append((_ENGINE, _ENGINE.set(engine)))
+        try:
+            context = serialize_context(
+                asset_ctx_kwargs={
+                    "task": task,
+                    "task_run_id": task_run_id,
+                    "task_inputs": dependencies,
+                    "copy_to_child_ctx": True,
+                }
+            )
+        finally:
+            for var, token in reversed(resets):
+                var.reset(token)
+        context["settings_context"] = self._share("settings", settings, context["settings_context"])
+        if engine is not None:
+            context["flow_run_context"] = self._share("flow", engine, context["flow_run_context"])
+        return context
+
+    def _send(
+        self,
+        task: Any,
+        parameters: dict[str, Any],
+        wait_for: Any,
+        dependencies: dict[str, Any] | None,
+    ) -> distributed.Future:
+        task_run_id = uuid4()
+        inputs = {
+            name: collect_task_run_inputs_sync(value, future_cls=distributed.Future)
+            for name, value in parameters.items()
+        }
+        if dependencies:
+            inputs = {name: deps.union(dependencies.get(name, set())) for name, deps in inputs.items()}
+        future = self._client.submit(
+            run_prefect_task,
+            task=self._share("task", task, task),
+            task_run_id=task_run_id,
+            parameters=parameters,
+            wait_for=wait_for,
+            sealed=seal(dependencies=inputs, context=self.context(task, task_run_id, inputs)),
+            key=f"{task.name}-{task_run_id.hex}",
+            pure=False,
+        )
+        future.task_run_id = task_run_id
+        return future
+
+
+def _resolved(expr: Any) -> Any:
+    """``expr`` with each of the flow's futures replaced by what a task depending on it
+    is given (``recycling.resolved``)."""
+
+    def visit(item: Any) -> Any:
+        return resolved(item) if isinstance(item, PrefectDaskFuture) else item
+
+    return visit_collection(expr, visit_fn=visit, return_data=True)

@@ -1,0 +1,127 @@
+"""Worker processes forked from a server that has already imported Prefect, Dask and
+this package, instead of spawned to import them again.
+
+Each worker start, and each restart of a leaking worker, skips seconds of imports. The
+flow process uses it for the local clusters the runner starts
+(``flow.cluster``); a remote worker's nanny uses it through ``worker.nanny``. The
+server never touches CUDA or NVML, so every worker still makes its own CUDA context.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import dask
+from distributed.proctitle import enable_proctitle_on_children
+
+logger = logging.getLogger(__name__)
+
+START_METHOD_KEY = "distributed.worker.multiprocessing-method"
+# What a worker process needs before its first task; imported once, in the fork server.
+WORKER_PRELOAD = (
+    "distributed",
+    "dask",
+    "numpy",
+    "pandas",
+    "prefect",
+    "prefect.flows",
+    "prefect.task_engine",
+    "prefect_dask",
+    "prefect_gpu_dask.worker.taskrun",
+    "prefect_gpu_dask.worker.guard",
+)
+
+
+_fork_server_lock = threading.Lock()
+_fork_server_surroundings: tuple[dict[str, str], str] | None = None
+_forking_clusters = 0  # local clusters alive whose workers fork from the server
+_users_start_method = "spawn"  # the setting before the first of them
+
+
+def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None) -> str:
+    """How a local cluster started now should start its worker processes.
+
+    ``forkserver`` when the user left Dask's default (``spawn``) and the server this
+    package started would give workers what ``spawn`` gives them: a forked worker
+    inherits the server's environment, and its imports read settings files in the
+    server's working directory, so a variable or directory changed since the server
+    started means ``spawn`` for this cluster.
+    ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own.
+    ``preload``: what the server imports; by default those of ``WORKER_PRELOAD`` that
+    this process has imported cleanly.
+    """
+    global _fork_server_surroundings
+    with _fork_server_lock:
+        configured = _users_start_method if _forking_clusters else dask.config.get(START_METHOD_KEY)
+        if configured != "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+            return configured
+        if cuda:
+            os.environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster's __init__ does
+        if _fork_server_surroundings is None:
+            # What a Nanny puts into this process's environment before each spawn goes
+            # in first, as the Nanny would: its pre-spawn variables and hash seed.
+            configured_env = dask.config.get("distributed.nanny.pre-spawn-environ") or {}
+            pre_spawn = {k: os.environ.get(k, str(v)) for k, v in configured_env.items() if v is not None}
+            if pre_spawn.get("PYTHONHASHSEED") in (None, "0"):
+                pre_spawn["PYTHONHASHSEED"] = "6640"
+            os.environ.update(pre_spawn)
+            enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
+            if preload is None:
+                # Only what imported cleanly here (this package's own modules import
+                # wherever it does): one module failing in the server, with anything but
+                # ImportError, would fail every worker start.
+                preload = [name for name in WORKER_PRELOAD if name in sys.modules or _ours(name)]
+            try:
+                multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+                multiprocessing.forkserver.ensure_running()
+            except Exception as exc:
+                logger.warning("Could not start a fork server (%r): spawning workers", exc)
+                return configured
+            _fork_server_surroundings = _surroundings()
+        return "forkserver" if _surroundings() == _fork_server_surroundings else "spawn"
+
+
+@contextmanager
+def worker_processes(cuda: bool = False) -> Iterator[str]:
+    """For the life of one local cluster, restarts included: its worker start method.
+
+    Dask reads the method from one process-wide setting, so it is counted: set by the
+    first forking cluster, restored to the user's when the last one closes. While one
+    is alive, a cluster that should spawn (a changed environment) cannot: its workers
+    fork too.
+    """
+    global _forking_clusters, _users_start_method
+    method = worker_start_method(cuda)
+    if method != "forkserver":
+        yield method
+        return
+    with _fork_server_lock:
+        if _forking_clusters == 0:
+            _users_start_method = dask.config.get(START_METHOD_KEY)
+            dask.config.set({START_METHOD_KEY: "forkserver"})
+        _forking_clusters += 1
+    try:
+        yield method
+    finally:
+        with _fork_server_lock:
+            _forking_clusters -= 1
+            if _forking_clusters == 0:
+                dask.config.set({START_METHOD_KEY: _users_start_method})
+
+
+def _surroundings() -> tuple[dict[str, str], str]:
+    """What the server's imports saw, and a spawned worker would see: the environment
+    (pytest rewrites one variable for every test; nothing a worker does reads it) and
+    the working directory (Prefect reads its settings files there)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, os.getcwd()
+
+
+def _ours(module: str) -> bool:
+    return module.partition(".")[0] == __name__.partition(".")[0]

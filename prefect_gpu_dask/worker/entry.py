@@ -1,0 +1,22 @@
+"""The Dask task of every Prefect task run: what the scheduler sees of it.
+
+The scheduler unpickles every task it is sent. This module imports nothing of
+Prefect's, and the task's Prefect objects travel sealed as bytes (``payload``), so a
+scheduler never imports Prefect (nor needs it installed); a worker loads Prefect with
+its first task run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+
+from prefect_gpu_dask.payload import Shared
+
+
+def run_prefect_task(*, task: Shared, sealed: bytes, **run_kwargs: Any) -> Any:
+    """Run one Prefect task run on this worker; returns the run's final ``State``."""
+    from prefect_gpu_dask.worker.taskrun import run_task_run  # Prefect loads here, on the worker
+
+    return run_task_run(task=task, **cloudpickle.loads(sealed), **run_kwargs)

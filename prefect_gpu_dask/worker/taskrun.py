@@ -1,0 +1,124 @@
+"""A Prefect task run on a Dask worker: its settings and API client built once per
+worker process, its screening (a quarantined GPU, a worker that died running it), and
+Prefect's engine.
+
+The worker side of ``flow.submission``: what the flow sends once per flow run
+(``payload.Shared``) is unpickled here once per worker process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import cloudpickle
+from prefect.context import SettingsContext, SyncClientContext, hydrated_context
+from prefect.exceptions import ObjectNotFound
+from prefect.logging.configuration import ensure_logging_setup
+from prefect.states import Crashed
+from prefect.task_engine import run_task_async, run_task_sync
+
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.errors import WorkerDiedError
+from prefect_gpu_dask.payload import Shared
+from prefect_gpu_dask.worker.guard import current_guard
+from prefect_gpu_dask.worker.quarantine import screen
+from prefect_gpu_dask.worker.recycling import admit
+
+_SETTINGS = _compat.context_var(SettingsContext)
+_CLIENTS = _compat.context_var(SyncClientContext)
+
+_worker_cache: OrderedDict[str, Any] = OrderedDict()
+_worker_lock = threading.Lock()
+WORKER_CACHE_SIZE = 256
+
+
+def _cached(token: str, build: Any) -> Any:
+    """This worker process's object for ``token``, built once (LRU)."""
+    with _worker_lock:
+        if token in _worker_cache:
+            _worker_cache.move_to_end(token)
+            return _worker_cache[token]
+        value = _worker_cache[token] = build()
+        while len(_worker_cache) > WORKER_CACHE_SIZE:
+            _worker_cache.popitem(last=False)
+        return value
+
+
+def _unshare(shared: Shared | Any) -> Any:
+    if not isinstance(shared, Shared):
+        return shared
+    return _cached(shared.token, lambda: cloudpickle.loads(shared.blob))
+
+
+def prepare_process() -> None:
+    """Prefect's lazy per-process set-up, done before any engine runs here.
+
+    Called under the worker lock. Task runs starting at once on a fresh worker each do
+    this set-up without a lock, and both halves race:
+
+    - two ``dictConfig`` calls: the second flushes the first's API log handler while the
+      event loop that handler waits for needs the logging lock the second holds;
+    - two ``model_rebuild`` calls of the run-context models: pydantic's rebuild is not
+      thread-safe, and a run context built in between is validated as its parent class.
+    """
+    ensure_logging_setup()
+    with hydrated_context(None):  # completes the run-context models, as the engine would
+        pass
+
+
+def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientContext]:
+    """Settings and an open API client for this flow run, made once per worker process.
+
+    Re-validating settings re-reads the environment, and a fresh ``SyncPrefectClient``
+    builds a new SSL context; the engine would build two clients per task unless one
+    is already in context.
+    """
+
+    def build() -> tuple[SettingsContext, SyncClientContext]:
+        prepare_process()
+        settings = SettingsContext(**cloudpickle.loads(shared.blob))
+        reset = _SETTINGS.set(settings)
+        try:
+            clients = SyncClientContext()
+            clients.client.__enter__()  # kept open for the life of the worker
+        finally:
+            _SETTINGS.reset(reset)
+        return settings, clients
+
+    return _cached(f"settings-{shared.token}", build)
+
+
+def _api_state(clients: SyncClientContext, task_run_id: Any) -> Any:
+    try:
+        return clients.client.read_task_run(task_run_id).state
+    except ObjectNotFound:
+        return None
+
+
+def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) -> Any:
+    """Worker side: run one Prefect task run, returning its final ``State``."""
+    task = _unshare(task)
+    guard = current_guard()
+    watch = guard.health if guard is not None else None
+    task = screen(task, _compat.current_task_restrictions(), watch)  # a sick GPU's work goes elsewhere
+    settings, clients = _settings_and_client(context.pop("settings_context"))
+    task, final = admit(task, lambda: _api_state(clients, run_kwargs["task_run_id"]))
+    if final is not None:  # its worker died after the run ended: the flow gets that state again
+        return final
+    context["flow_run_context"] = _unshare(context.get("flow_run_context"))
+    # Set the context variables directly: one object serves all worker threads.
+    settings_reset = _SETTINGS.set(settings)
+    clients_reset = _CLIENTS.set(clients)
+    try:
+        if task.isasync:
+            return asyncio.run(run_task_async(task=task, context=context, return_type="state", **run_kwargs))
+        return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+    except WorkerDiedError as exc:
+        # The engine has recorded the crash; the flow gets the same state back.
+        return Crashed(message=str(exc))
+    finally:
+        _CLIENTS.reset(clients_reset)
+        _SETTINGS.reset(settings_reset)
