@@ -161,6 +161,9 @@ class RunnerSettings:
             worker offers waits for one to join before ``on_missing_gpu`` applies.
         health_check_s: seconds between a GPU worker's NVML health checks on a timer
             (each ``gpu`` task is also checked before it starts); None: no checks.
+        host_gpu_lock: hold each GPU for one cluster at a time on its host, so flow runs
+            that each start a cluster on the same GPUs take turns instead of sharing
+            them blindly (``worker.host_gpu_lock``).
         settle_s: how long the guard lets the driver settle before confirming a leak.
     """
 
@@ -175,6 +178,7 @@ class RunnerSettings:
     oom_retries: int = 0
     gpu_wait_s: float = 60.0
     health_check_s: float | None = 30.0
+    host_gpu_lock: bool = True
     settle_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -206,6 +210,8 @@ class RunnerSettings:
             isinstance(every, bool) or not isinstance(every, (int, float)) or not 0 < every < math.inf
         ):
             raise ValueError(f"health_check_s {every!r} must be a number of seconds > 0, or None")
+        if not isinstance(self.host_gpu_lock, bool):
+            raise ValueError(f"host_gpu_lock {self.host_gpu_lock!r} must be True or False")
         settle = self.settle_s
         if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
             raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # No telemetry from test servers: this network reaches nothing, and its heartbeat clutters logs.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The scripted GPU has one UUID in every worker: each test process keeps its own GPU
+# turns, so two test processes never wait for each other's "GPU".
+os.environ.setdefault("PREFECT_GPU_DASK_LOCK_DIR", tempfile.mkdtemp(prefix="gpu-turns-"))
 
 
 def has_gpu() -> bool:

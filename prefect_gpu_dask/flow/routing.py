@@ -104,7 +104,8 @@ class Route:
     memory guard (``guard``), a watchdog for a ``timeout_seconds`` the task may be stuck
     past outside Python (``deadline``), and ``oom_retries`` retries for CUDA
     out-of-memory failures on top of the task's own, each on the GPU worker with the
-    most free memory that offers ``resources``.
+    most free memory that offers ``resources``; and a host-wide claim on its GPU
+    (``claim``), so clusters sharing a GPU take turns.
     """
 
     resources: Resources
@@ -115,6 +116,7 @@ class Route:
     guard: bool = False
     deadline: bool = False
     oom_retries: int = 0
+    claim: bool = False  # holds its GPU against other clusters on the host while it runs
 
     @property
     def waited_for(self) -> Resources | None:
@@ -175,6 +177,7 @@ class TagRouter:
         guard: GuardScope = "off",
         timeout_s: float | None = None,
         oom_retries: int = 0,
+        host_gpu_lock: bool = False,
     ) -> Route:
         """Decide how task ``name`` runs.
 
@@ -184,7 +187,8 @@ class TagRouter:
         how long a cluster that can still grow gets to offer what nobody offers yet.
         ``guard``: which tasks the memory guard measures (``"off"``: none, the guard is
         not running). ``timeout_s``: the task's ``timeout_seconds``. ``oom_retries``:
-        out-of-memory retries a task asking for a GPU gets.
+        out-of-memory retries a task asking for a GPU gets. ``host_gpu_lock``: a task
+        that runs on a GPU holds it against other clusters on its host.
         """
         resources = self.resources_for_tags(tags)
         if annotations:
@@ -197,6 +201,7 @@ class TagRouter:
             guard=as_asked and (guard == "all" or (guard == "gpu" and where.gpu)),
             deadline=bool(timeout_s),
             oom_retries=oom_retries if where.gpu else 0,
+            claim=host_gpu_lock and as_asked and where.gpu,
         )
 
     @staticmethod

@@ -113,6 +113,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         oom_retries: int = 0,
         gpu_wait_s: float = 60.0,
         health_check_s: float | None = 30.0,
+        host_gpu_lock: bool = True,
     ):
         self.settings = RunnerSettings(
             tag_resources=tag_resources if tag_resources is not None else {},
@@ -126,6 +127,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             oom_retries=oom_retries,
             gpu_wait_s=gpu_wait_s,
             health_check_s=health_check_s,
+            host_gpu_lock=host_gpu_lock,
         )
         check_connection(address, security, allow_insecure)
         self.router = TagRouter(self.settings.tag_resources)
@@ -236,7 +238,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 client, self.settings.restart, self.logger, on_restart=self._on_restart, ours=self._ours
             )
             self._recycler.start()
-            self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait)
+            self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait, self.settings)
             self._register_plugins(client)
         return self._client
 
@@ -309,6 +311,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 guard=self.settings.guard if self._guard_on else "off",
                 timeout_s=task.timeout_seconds,
                 oom_retries=self.settings.oom_retries,
+                host_gpu_lock=self.settings.host_gpu_lock,
             )
             return self._submitter.submit(task, route, parameters, wait_for, dependencies)
 

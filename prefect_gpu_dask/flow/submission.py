@@ -15,6 +15,7 @@ assets, task run) is serialised per task exactly as prefect-dask does, and seale
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -32,10 +33,12 @@ from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.routing import Route
 from prefect_gpu_dask.payload import Shared, seal
+from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.deadline import deadline
 from prefect_gpu_dask.worker.entry import run_prefect_task
 from prefect_gpu_dask.worker.fallback import falling_back
 from prefect_gpu_dask.worker.guard import guarding
+from prefect_gpu_dask.worker.host_gpu_lock import claiming_gpu
 from prefect_gpu_dask.worker.oom_retry import oom_retry_condition, placing
 from prefect_gpu_dask.worker.taskwrap import stacked, with_around
 
@@ -80,8 +83,15 @@ class TaskSubmitter:
     task.
     """
 
-    def __init__(self, client: distributed.Client, recycler: Recycler, resource_wait: ResourceWait) -> None:
+    def __init__(
+        self,
+        client: distributed.Client,
+        recycler: Recycler,
+        resource_wait: ResourceWait,
+        settings: RunnerSettings,
+    ) -> None:
         self._client = client
+        self._settings = settings
         self._recycler = recycler
         self._resource_wait = resource_wait
         self._stand_ins: dict[type, tuple[Any, _Serialized]] = {}
@@ -114,10 +124,13 @@ class TaskSubmitter:
         fallback's warning or failure, the guard, the deadline watchdog, out-of-memory
         retries and their placement), or as it is."""
         arounds: dict[str, Around] = {}
+        if route.claim:  # outermost: the guard measures the task, not its wait for the GPU
+            arounds["host-gpu"] = functools.partial(claiming_gpu, self._settings.memory_probe)
         if route.fallback is not None:
             arounds[route.message] = falling_back(route.message, route.fallback == "error", route.waited_for)
         if route.guard:
-            arounds["guard"] = guarding
+            # The flow run's own thresholds and policy, whatever other flows on the worker asked for.
+            arounds["guard"] = functools.partial(guarding, self._settings)
         if route.deadline:
             arounds["deadline"] = deadline
         if not arounds and not route.oom_retries:

@@ -12,6 +12,7 @@ sent to the flow as a ``TaskRecord`` in a Dask worker event.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -164,6 +165,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.baseline: MemorySample | None = None
         self.recycling: WorkerRecycling | None = None
         self.tasks_run = 0
+        self._tasks_of: collections.Counter[str | None] = collections.Counter()  # per flow run
         self._tickets = itertools.count(1)  # next() is atomic: worker threads begin at once
         self._sampler: PeakSampler | None = None
         self._activity: ActivityWatch | None = None
@@ -240,20 +242,26 @@ class GPUMemoryGuard(WorkerPlugin):
         started: float,
         task: str | None = None,
         oom: OutOfMemory | None = None,
+        settings: RunnerSettings | None = None,
+        flow_run_id: str | None = None,
     ) -> tuple[Verdict, int, float, Activity | None]:
         """Judge the task that began with ``ticket``; ``task`` names it for the
         one-time library growth allowance (per task and worker thread, renewed when the
         process has new threads, which a library gives handles of their own).
+        ``settings``: those of the task's flow run (default: the plugin's), whose own
+        guarded tasks here count towards its ``restart_after_tasks``.
         Returns the verdict, the peak, the duration and what else it did on the GPU."""
         duration = time.perf_counter() - started
+        settings = settings if settings is not None else self.settings
         self.tasks_run += 1
+        self._tasks_of[flow_run_id] += 1
         key = (task, threading.current_thread())
         threads_then = self._grew.get(key)
         verdict = verdict_for(
             self.probe,
             before,
-            self.settings,
-            self.tasks_run,
+            settings,
+            self._tasks_of[flow_run_id] if flow_run_id else self.tasks_run,
             release_allocator_caches,
             allocators=self._read_allocators,
             # Again on this thread, and no thread new since: no library's first use left.
@@ -273,11 +281,12 @@ class GPUMemoryGuard(WorkerPlugin):
         if self._activity is not None:
             self._activity.stop(ticket)
 
-    def report(self, record: TaskRecord) -> None:
-        """Send ``record`` to the flow, and hand it to this worker's recycling."""
+    def report(self, record: TaskRecord, restart: str | None = None) -> None:
+        """Send ``record`` to the flow, and hand it to this worker's recycling under
+        ``restart``, the policy of the record's flow run (default: the plugin's)."""
         self.worker.log_event(RECORD_TOPIC, record.to_event())
         quarantined = self.health is not None and self.health.quarantine is not None
-        self.recycling.hand(record, quarantined)
+        self.recycling.hand(record, quarantined, restart or self.settings.restart)
 
 
 def _pool_threads() -> frozenset[threading.Thread]:
@@ -411,8 +420,9 @@ def _clear_frames(exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def guarding() -> Iterator[None]:
-    """Measure the task run inside it with this worker's guard (a no-op without one).
+def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
+    """Measure the task run inside it with this worker's guard (a no-op without one),
+    judged by ``settings``, its flow run's (the plugin's are the first runner's).
 
     The ``around`` the flow clones guarded tasks with (``taskwrap.with_around``).
     """
@@ -433,10 +443,12 @@ def guarding() -> Iterator[None]:
     finally:
         try:
             identity = _task_identity()
-            verdict, peak, duration, activity = guard.end(ticket, before, started, identity["task_name"], oom)
+            verdict, peak, duration, activity = guard.end(
+                ticket, before, started, identity["task_name"], oom, settings, identity["flow_run_id"]
+            )
             record = build_record(guard, verdict, peak, duration, identity, activity)
             _log_record(record)
-            guard.report(record)
+            guard.report(record, settings.restart if settings is not None else None)
         except Exception:  # the guard must never change what the task did
             guard.abandon(ticket)
             logger.exception("GPU memory guard failed around a task on %s", guard.worker.address)

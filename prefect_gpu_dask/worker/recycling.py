@@ -86,12 +86,13 @@ class WorkerRecycling:
             self.release_wait_s = await wait_for_released_memory(pids)
             self.memory_released_at = time.time()
 
-    def hand(self, record: TaskRecord, quarantined: bool) -> None:
-        """A guarded task's record. One that asks for a restart (``restart="worker"``,
-        the GPU not quarantined) drains the worker: it starts nothing new from now on,
-        and the flow restarts it once what it runs has finished. Queued before the task
-        returns, so the next task waiting for its slot never starts here."""
-        if record.restart_reason and self.policy == "worker" and not quarantined:
+    def hand(self, record: TaskRecord, quarantined: bool, policy: str | None = None) -> None:
+        """A guarded task's record, under ``policy`` (its flow run's ``restart``). One
+        that asks for a restart (``restart="worker"``, the GPU not quarantined) drains
+        the worker: it starts nothing new from now on, and the flow restarts it once
+        what it runs has finished. Queued before the task returns, so the next task
+        waiting for its slot never starts here."""
+        if record.restart_reason and (policy or self.policy) == "worker" and not quarantined:
             self.worker.loop.add_callback(drain, self.worker)
 
 

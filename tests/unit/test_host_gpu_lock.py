@@ -11,31 +11,36 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_dask.host_gpu_lock import DIRECTORY_ENV, HostGPUClaim, SharedDirectoryError, lock_directory
+from prefect_gpu_dask.worker.host_gpu_lock import (
+    DIRECTORY_ENV,
+    HostGPUClaim,
+    SharedDirectoryError,
+    lock_directory,
+)
 
 UUID = "GPU-test-0000"
 
 
-def _hold(directory: str, seconds: float, ready) -> None:
-    claim = HostGPUClaim(UUID, directory=Path(directory))
+def _hold(directory: str, seconds: float, ready, cluster: str = "tcp://127.0.0.1:1") -> None:
+    claim = HostGPUClaim(UUID, cluster, directory=Path(directory))
     with claim.hold():
         ready.set()
         time.sleep(seconds)
 
 
-def _spawn_holder(tmp_path, seconds: float):
+def _spawn_holder(tmp_path, seconds: float, cluster: str = "tcp://127.0.0.1:1"):
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_hold, args=(str(tmp_path), seconds, ready))
+    proc = ctx.Process(target=_hold, args=(str(tmp_path), seconds, ready, cluster))
     proc.start()
     assert ready.wait(60), "the holder never took the claim"
     return proc
 
 
-def test_another_process_waits_for_the_claim_and_threads_of_one_process_share_it(tmp_path):
+def test_another_cluster_waits_for_the_gpu_and_threads_of_one_process_share_it(tmp_path):
     holder = _spawn_holder(tmp_path, 1.0)
-    claim = HostGPUClaim(UUID, directory=tmp_path)
-    assert claim.held_elsewhere()
+    claim = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    assert claim.in_use_elsewhere()
     waits: list[float] = []
 
     def run() -> None:
@@ -53,13 +58,24 @@ def test_another_process_waits_for_the_claim_and_threads_of_one_process_share_it
     assert time.monotonic() - started >= 0.5  # they waited for the other process
     assert max(waits) >= 0.5 and len(waits) == 3
     assert time.monotonic() - started < 1.0 + 3 * 0.2  # ...and then ran together
-    assert not claim.held_elsewhere()
+    assert not claim.in_use_elsewhere()
+
+
+def test_processes_of_one_cluster_share_its_turn(tmp_path):
+    holder = _spawn_holder(tmp_path, 30)
+    try:
+        same = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path)
+        with same.hold() as waited:
+            assert waited < 1
+    finally:
+        holder.kill()
+        holder.join(30)
 
 
 def test_a_killed_holder_leaves_no_stuck_claim(tmp_path):
     holder = _spawn_holder(tmp_path, 60)
-    claim = HostGPUClaim(UUID, directory=tmp_path)
-    assert claim.held_elsewhere()
+    claim = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    assert claim.in_use_elsewhere()
     os.kill(holder.pid, signal.SIGKILL)
     holder.join(30)
     with claim.hold() as waited:
@@ -85,4 +101,4 @@ def test_a_new_directory_is_private(tmp_path, monkeypatch):
     path = lock_directory()
     assert path.stat().st_mode & 0o777 == 0o700
     with pytest.raises(ValueError, match="cannot name a lock file"):
-        HostGPUClaim("../x", directory=path)
+        HostGPUClaim("../x", "tcp://127.0.0.1:1", directory=path)

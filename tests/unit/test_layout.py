@@ -43,6 +43,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.taskwrap": {"with_around", "stacked"},  # the clone that travels with the task
         "worker.fallback": {"falling_back"},  # wrappers inside that clone
         "worker.guard": {"guarding"},
+        "worker.host_gpu_lock": {"claiming_gpu"},
         "worker.deadline": {"deadline"},
         "worker.oom_retry": {"oom_retry_condition", "placing"},
     },

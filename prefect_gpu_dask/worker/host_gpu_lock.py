@@ -1,0 +1,221 @@
+"""One GPU, one cluster at a time: a host-wide turn on a GPU for ``gpu`` task runs.
+
+A ``gpu`` slot is a Dask resource, so it holds inside one cluster only: two flow runs
+that each start a ``LocalCUDACluster`` on the same host would each put a whole
+``GPU=1`` of work on the same GPU. So before a ``gpu`` task run starts, its worker
+process takes its cluster's turn on the GPU: the processes of one cluster (named by
+its scheduler's address) share a turn, and Dask's resources share the GPU among their
+tasks as before; another cluster's waits until the last of them is done, then has its
+own. A cluster waiting keeps the one on the GPU from starting new tasks there, so the
+clusters alternate task by task instead of one starving the other.
+
+Three files per GPU, in a directory only their user may use
+(``$XDG_RUNTIME_DIR/prefect-gpu-dask`` or ``/tmp/prefect-gpu-dask-<uid>``, mode 0700,
+refused if someone else owns it or can write to it): a shared ``flock`` on ``.gate``
+held by every process running ``gpu`` work on the GPU, an exclusive one on ``.mutex``
+while a process enters, and ``.room``, which cluster has the turn and who waits. The
+kernel drops a dead process's locks, and a stale ``.room`` is overwritten by the next
+process to find the gate free: a crash leaves nothing stuck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+DIRECTORY_ENV = "PREFECT_GPU_DASK_LOCK_DIR"
+
+
+class SharedDirectoryError(PermissionError):
+    """The lock directory is not this user's alone."""
+
+
+def lock_directory() -> Path:
+    """This user's directory of GPU claims, made private if it is new."""
+    if explicit := os.environ.get(DIRECTORY_ENV):
+        path = Path(explicit)
+    elif runtime := os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(runtime) / "prefect-gpu-dask"
+    else:
+        path = Path(tempfile.gettempdir()) / f"prefect-gpu-dask-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700, parents=False)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise SharedDirectoryError(
+            f"{path} must be a directory of uid {os.getuid()} with mode 0700 to hold GPU claims "
+            f"(it is uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): refusing to share "
+            f"GPU slots through it; remove it or set {DIRECTORY_ENV}"
+        )
+    return path
+
+
+WAITER_STALE_S = 2.0  # a waiter that stopped asking this long ago has gone
+POLL_S = 0.05
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+class HostGPUClaim:
+    """This process's part in its cluster's turn on one GPU; ``hold()`` around each
+    ``gpu`` task run. Threads of the process share it."""
+
+    def __init__(self, gpu_uuid: str, cluster: str, directory: Path | None = None):
+        if not gpu_uuid or "/" in gpu_uuid:
+            raise ValueError(f"gpu_uuid {gpu_uuid!r} cannot name a lock file")
+        base = (directory or lock_directory()) / f"gpu-{gpu_uuid}"
+        self.gate, self.mutex, self.room = (base.with_suffix(s) for s in (".gate", ".mutex", ".room"))
+        self.cluster = cluster
+        self._fd: int | None = None
+        self._holders = 0
+        self._entering = False
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[float]:
+        """Hold the turn for the block; yields the seconds spent waiting for it."""
+        waited = self.acquire()
+        try:
+            yield waited
+        finally:
+            self.release()
+
+    def acquire(self) -> float:
+        started = time.monotonic()
+        with self._changed:
+            while self._entering:  # another thread of ours is entering: share its turn
+                self._changed.wait()
+            if self._holders:
+                self._holders += 1
+                return 0.0
+            self._entering = True
+        fd = None
+        try:
+            fd = os.open(self.gate, os.O_RDWR | os.O_CREAT, 0o600)
+            while not self._enter(fd):
+                time.sleep(POLL_S)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            with self._changed:
+                self._entering = False
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            self._fd, self._holders, self._entering = fd, 1, False
+            self._changed.notify_all()
+        return time.monotonic() - started
+
+    def _enter(self, fd: int) -> bool:
+        """One look at the GPU, under the mutex: enter (a shared lock on the gate), or
+        say this cluster waits."""
+        with _locked(self.mutex):
+            room = self._read_room()
+            now = time.time()
+            waiting = {c: t for c, t in room.get("waiting", {}).items() if now - t < WAITER_STALE_S}
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody on the GPU?
+                empty = True
+            except BlockingIOError:
+                empty = False
+            others_wait = any(c != self.cluster for c in waiting)
+            if empty or (room.get("cluster") == self.cluster and not others_wait):
+                # Every entry holds the mutex: nobody can take the gate between these two.
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                waiting.pop(self.cluster, None)
+                self._write_room({"cluster": self.cluster, "waiting": waiting})
+                return True
+            waiting[self.cluster] = now
+            self._write_room({"cluster": room.get("cluster"), "waiting": waiting})
+            return False
+
+    def _read_room(self) -> dict[str, Any]:
+        try:
+            room = json.loads(self.room.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return room if isinstance(room, dict) else {}
+
+    def _write_room(self, room: dict[str, Any]) -> None:
+        tmp = self.room.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(room))
+        tmp.replace(self.room)
+
+    def release(self) -> None:
+        with self._changed:
+            self._holders -= 1
+            if self._holders == 0 and self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)  # drops the shared lock on the gate
+
+    def in_use_elsewhere(self) -> bool:
+        """Whether another process runs gpu work on this GPU now (a look, not a wait)."""
+        with self._changed:
+            if self._holders:
+                return False
+        fd = os.open(self.gate, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+
+_claims: dict[tuple[str, str], HostGPUClaim] = {}
+_claims_lock = threading.Lock()
+WAIT_NOTED_S = 0.5  # a wait longer than this is said in the task run's log
+
+
+def claim_for(gpu_uuid: str, cluster: str) -> HostGPUClaim:
+    """This process's one claim on ``gpu_uuid`` for ``cluster``."""
+    with _claims_lock:
+        if (gpu_uuid, cluster) not in _claims:
+            _claims[gpu_uuid, cluster] = HostGPUClaim(gpu_uuid, cluster)
+        return _claims[gpu_uuid, cluster]
+
+
+@contextlib.contextmanager
+def claiming_gpu(memory_probe: Any = None) -> Iterator[None]:
+    """The ``around`` of a ``gpu`` task run: hold this worker's GPU against other
+    clusters on the host while it runs (a no-op on a worker without a GPU)."""
+    from prefect_gpu_dask._compat import current_worker
+    from prefect_gpu_dask.worker.probe import worker_probe
+
+    worker = current_worker()
+    try:
+        probe = worker_probe(worker, memory_probe) if worker is not None else None
+    except Exception:  # the guard and the labels say why; the task still runs
+        probe = None
+    if probe is None:
+        yield
+        return
+    cluster = str(getattr(worker.scheduler, "address", ""))  # the scheduler names the cluster
+    with claim_for(probe.gpu.uuid, cluster).hold() as waited:
+        if waited > WAIT_NOTED_S:
+            from prefect.logging import get_run_logger
+
+            get_run_logger().info(
+                "Waited %.1f s for GPU %s: another cluster on this host was running gpu tasks on it",
+                waited,
+                probe.gpu.uuid,
+            )
+        yield
