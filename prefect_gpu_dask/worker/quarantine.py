@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prefect_gpu_dask.errors import UnhealthyGPUError
@@ -143,9 +143,11 @@ class HealthWatch:
         return self.quarantine
 
 
-def screen(task: Any, restrictions: Mapping[str, float] | None, watch: HealthWatch | None) -> Any:
-    """Before a task run starts on this worker: the task to run. ``watch``: this
-    worker's health checks (None: its GPU is not checked).
+def screen(
+    task: Any, restrictions: Mapping[str, float] | None, health: Callable[[], HealthWatch | None]
+) -> Any:
+    """Before a task run starts on this worker: the task to run. ``health``: this
+    worker's health checks (None: its GPU is not checked), asked for a ``gpu`` task only.
 
     A task that asked for a GPU, on a quarantined one, goes back to the scheduler
     (``distributed.Reschedule``) where a healthy GPU took over, or is cloned to fail
@@ -153,6 +155,7 @@ def screen(task: Any, restrictions: Mapping[str, float] | None, watch: HealthWat
     """
     if not restrictions or restrictions.get(GPU_RESOURCE, 0) <= 0:
         return task
+    watch = health()
     quarantine = watch.screen() if watch is not None else None
     if quarantine is None:
         return task

@@ -24,7 +24,7 @@ from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.payload import Shared
 from prefect_gpu_dask.worker.guard import current_guard
-from prefect_gpu_dask.worker.quarantine import screen
+from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
 from prefect_gpu_dask.worker.recycling import admit
 
 _SETTINGS = _compat.context_var(SettingsContext)
@@ -91,6 +91,11 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     return _cached(f"settings-{shared.token}", build)
 
 
+def _health() -> HealthWatch | None:
+    guard = current_guard()
+    return guard.health if guard is not None else None
+
+
 def _api_state(clients: SyncClientContext, task_run_id: Any) -> Any:
     try:
         return clients.client.read_task_run(task_run_id).state
@@ -101,9 +106,7 @@ def _api_state(clients: SyncClientContext, task_run_id: Any) -> Any:
 def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
-    guard = current_guard()
-    watch = guard.health if guard is not None else None
-    task = screen(task, _compat.current_task_restrictions(), watch)  # a sick GPU's work goes elsewhere
+    task = screen(task, _compat.current_task_restrictions(), _health)  # a sick GPU's work goes elsewhere
     settings, clients = _settings_and_client(context.pop("settings_context"))
     task, final = admit(task, lambda: _api_state(clients, run_kwargs["task_run_id"]))
     if final is not None:  # its worker died after the run ended: the flow gets that state again
