@@ -39,6 +39,9 @@ def has_gpu() -> bool:
 LONGEST_FIRST = (
     "integration/test_guard_restarts.py",
     "integration/test_reliability.py",
+    "integration/test_shared_cluster.py",
+    "integration/test_shared_host.py",
+    "integration/test_recycle_loss.py",
     "integration/test_load.py",
     "integration/test_runner.py",
     "integration/test_restart_races.py",

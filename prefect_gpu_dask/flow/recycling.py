@@ -56,6 +56,7 @@ from prefect_gpu_dask.scheduler.recycling import (
     keys_on,
     lost,
     mark_interrupted,
+    other_clients,
     restart_if_safe,
     restore_no_workers_timeout,
     suspend_no_workers_timeout,
@@ -266,6 +267,16 @@ class Recycler:
         # A worker with hung tasks is recycled alone, whatever the policy: only the end of
         # its process frees their threads.
         whole_cluster = self.policy == "cluster" and not self._stuck.get(request.worker)
+        if whole_cluster and (others := self.client.run_on_scheduler(other_clients, self.client.id)):
+            # Scheduler.restart forgets every client's tasks: only this flow's may go.
+            whole_cluster = False
+            self.logger.warning(
+                "restart='cluster' recycles only %s: %d other client(s) use this cluster (%s), "
+                "whose work a cluster restart would lose",
+                request.worker,
+                len(others),
+                ", ".join(sorted(others)[:3]),
+            )
         targets = list(self._workers()) if whole_cluster else [request.worker]
         self.logger.warning("Recycling %s at the next safe point: %s", ", ".join(targets), request.reason)
         attempt = self._try_cluster if whole_cluster else self._try_workers

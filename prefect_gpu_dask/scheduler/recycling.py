@@ -106,6 +106,11 @@ def restore_no_workers_timeout(dask_scheduler: Any = None) -> None:
         delattr(dask_scheduler, STASHED_TIMEOUT)
 
 
+def other_clients(client_id: str, dask_scheduler: Any = None) -> list[str]:
+    """Clients of this scheduler other than ``client_id`` (and the scheduler's own)."""
+    return [c for c in dask_scheduler.clients if c not in (client_id, "fire-and-forget")]
+
+
 def keys_on(addresses: list[str], dask_scheduler: Any = None) -> list[str]:
     return [
         ts.key for a in addresses if a in dask_scheduler.workers for ts in dask_scheduler.workers[a].has_what

@@ -53,7 +53,7 @@ def test_recycles_keep_every_worker_when_the_cluster_closes_a_restarting_nanny()
         LocalCluster(n_workers=2, threads_per_worker=2, resources={"GPU": 1}, processes=True) as cluster,
         Client(cluster) as client,
     ):
-        for _ in range(3):
+        for _ in range(2):
             state = leaky_flow(cluster.scheduler_address)(return_state=True)
             assert state.is_completed(), state
             report = read_flow_run_gpu_report(state.state_details.flow_run_id)

@@ -55,6 +55,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
             "keys_on",
             "lost",
             "mark_interrupted",
+            "other_clients",
             "restart_if_safe",
             "restore_no_workers_timeout",
             "suspend_no_workers_timeout",
