@@ -140,10 +140,10 @@ class HostGPUClaim:
                 # Every entry holds the mutex: nobody can take the gate between these two.
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 waiting.pop(self.cluster, None)
-                self._write_room({"cluster": self.cluster, "waiting": waiting})
+                self._write_room(room, {"cluster": self.cluster, "waiting": waiting})
                 return True
             waiting[self.cluster] = now
-            self._write_room({"cluster": room.get("cluster"), "waiting": waiting})
+            self._write_room(room, {"cluster": room.get("cluster"), "waiting": waiting})
             return False
 
     def _read_room(self) -> dict[str, Any]:
@@ -153,7 +153,9 @@ class HostGPUClaim:
             return {}
         return room if isinstance(room, dict) else {}
 
-    def _write_room(self, room: dict[str, Any]) -> None:
+    def _write_room(self, was: dict[str, Any], room: dict[str, Any]) -> None:
+        if room == {"cluster": was.get("cluster"), "waiting": was.get("waiting", {})}:
+            return  # the same cluster again, nobody waiting: the common case writes nothing
         tmp = self.room.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(room))
         tmp.replace(self.room)
