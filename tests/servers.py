@@ -1,4 +1,4 @@
-"""Real servers for tests and benchmarks: Debian's PostgreSQL on 127.0.0.1, and a
+"""Real servers for the tests: Debian's PostgreSQL on 127.0.0.1, and a
 ``prefect server start`` on loopback backed by it (or by SQLite).
 
 Both are processes of their own, stopped on exit. PostgreSQL refuses to run as root,
