@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
@@ -33,6 +32,7 @@ from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.routing import Route
 from prefect_gpu_dask.payload import Shared, seal
+from prefect_gpu_dask.records import TASK_RUN
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.deadline import deadline
 from prefect_gpu_dask.worker.entry import run_prefect_task
@@ -109,8 +109,8 @@ class TaskSubmitter:
     ) -> RecyclableFuture:
         """Send one run of ``task`` as ``route`` says."""
         task = self.dressed(task, route)
-        annotate = dask.annotate(resources=route.resources) if route.resources else nullcontext()
-        with annotate:
+        marks = {TASK_RUN: True, **({"resources": route.resources} if route.resources else {})}
+        with dask.annotate(**marks):
             wait_for = _resolved(wait_for) if wait_for else None
             future = self._send(task, _resolved(parameters), wait_for, dependencies)
         if route.wait_s:

@@ -15,7 +15,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.records import INTERRUPTED, LOST, REPLACED, STARTED_THERE, STARTED_TOPIC
+from prefect_gpu_dask.records import INTERRUPTED, LOST, REPLACED, STARTED_THERE, STARTED_TOPIC, TASK_RUN
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
@@ -140,8 +140,8 @@ async def restart_if_safe(
         return {"status": "busy", "blockers": ["a task was assigned meanwhile"]}
     stimulus = f"prefect-gpu-dask-restart-{time.time()}"
     if not whole_cluster and (held := wanted_only_on(addresses, dask_scheduler)):
-        # A result a client still holds would be computed again after the restart: a
-        # task run twice. Copy them to other workers first; where none can take them,
+        # A task run's result a client still holds would be computed again after the
+        # restart: a task run twice. Copy them to other workers first; where none can take them,
         # wait (the flow's own, just moved into it, are being released).
         others = [ws.address for ws in dask_scheduler.running if ws.address not in addresses]
         if others:
@@ -171,14 +171,17 @@ async def restart_if_safe(
 
 
 def wanted_only_on(addresses: list[str], dask_scheduler: Any) -> list[str]:
-    """Results on ``addresses`` that a client still holds and no other worker has."""
+    """Task runs' results on ``addresses`` that a client still holds and no other worker
+    has: lost with the worker, Dask would run those task runs again."""
     drained = set(addresses)
     return [
         ts.key
         for address in addresses
         if (ws := dask_scheduler.workers.get(address)) is not None
         for ts in ws.has_what
-        if ts.who_wants and all(holder.address in drained for holder in ts.who_has)
+        if ts.who_wants
+        and (ts.annotations or {}).get(TASK_RUN)
+        and all(holder.address in drained for holder in ts.who_has)
     ]
 
 
