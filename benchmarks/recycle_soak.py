@@ -80,13 +80,13 @@ class ScriptedGPU:
         self.gpu = gpu
 
     def sample(self) -> Any:
-        from prefect_gpu_dask.probe import MemorySample
+        from prefect_gpu_dask.worker.probe import MemorySample
 
         used = sum(SCRIPTED_HELD)
         return MemorySample(used, used, SCRIPTED_GPU_TOTAL)
 
     def allocator_bytes(self) -> Any:
-        from prefect_gpu_dask.probe import AllocatorBytes
+        from prefect_gpu_dask.worker.probe import AllocatorBytes
 
         return AllocatorBytes(owned=sum(SCRIPTED_HELD))
 
@@ -95,7 +95,7 @@ def scripted_gpu_probe() -> ScriptedGPU:
     """The runner's ``memory_probe`` on CPU: every worker of the soak has a scripted GPU."""
     from distributed import Worker
 
-    from prefect_gpu_dask.probe import GPUIdentity
+    from prefect_gpu_dask.worker.probe import GPUIdentity
 
     workers = list(Worker._instances)  # plugins' setup runs outside any task: no get_worker()
     name = str(workers[0].name) if len(workers) == 1 else "unknown"
