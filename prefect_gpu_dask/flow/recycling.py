@@ -114,6 +114,7 @@ class Recycler:
         # Hung tasks per worker: only the process's end frees their threads, whatever the policy.
         self._stuck: dict[str, set[str]] = {}
         self._left_alone: dict[str, str] = {}  # worker -> why it is never restarted
+        self._timed_out: dict[str, Any] = {}  # hung key -> its TimedOut state, until the flow has it
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
@@ -171,10 +172,12 @@ class Recycler:
             self._stuck.setdefault(worker, set()).update(stuck)
         elif self.policy == "never":
             return
-        if worker in self._pending or self._closing.is_set():
+        if worker in self._pending:
             return
-        if (why := self._left_alone.get(worker)) is not None:
-            self.logger.info("Not recycling %s (%s): %s", worker, reason, why)
+        if self._closing.is_set() or (why := self._left_alone.get(worker)) is not None:
+            if not self._closing.is_set():
+                self.logger.info("Not recycling %s (%s): %s", worker, reason, why)
+            self.settle_timed_out(stuck)  # no restart will settle them
             return
         self._pending.add(worker)
         if self._thread is None:
@@ -200,6 +203,7 @@ class Recycler:
             self._requests.put(None)
             self._thread.join(timeout=self.timeout if wait else 5)
         self._closing.set()  # a restart still waiting for its safe point stops here
+        self.settle_timed_out(list(self._timed_out))
 
     # -- hung tasks ---------------------------------------------------------------
     def _on_hung(self, event: tuple[float, dict[str, Any]]) -> None:
@@ -214,8 +218,9 @@ class Recycler:
     def time_out(self, hung: HungTask) -> None:
         """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.
 
-        The run will not run again: its worker's death sends it back to the scheduler,
-        and the next worker finds the task run already final and returns that state.
+        The flow's future ends ``TimedOut`` as soon as the worker takes no new work
+        (``settle_timed_out``); the restart that frees the thread follows in the background. The run will not run again: should something else
+        still want its key, the next worker finds the task run final and returns that state.
         """
         from prefect.client.orchestration import get_client
         from prefect.states import Failed
@@ -226,19 +231,27 @@ class Recycler:
             "the worker is recycled"
         )
         self.logger.error("Task run %r: %s", hung.task_run_name, message)
+        state = Failed(name="TimedOut", message=message)
         try:
             with get_client(sync_client=True) as api:
-                api.set_task_run_state(
-                    uuid.UUID(hung.task_run_id), Failed(name="TimedOut", message=message), force=True
-                )
+                state = api.set_task_run_state(uuid.UUID(hung.task_run_id), state, force=True).state or state
         except Exception:
             self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
+        self._timed_out[hung.key] = state
         self.request(
             hung.worker,
             f"hung: {hung.task_run_name} past its {hung.timeout_s:g} s timeout",
             stuck=(hung.key,),
             worker_name=hung.worker_name,
         )
+
+    def settle_timed_out(self, keys: Iterable[str]) -> None:
+        """End the flow's futures of hung task runs with their ``TimedOut`` states: the
+        flow goes on while their worker restarts."""
+        for key in keys:
+            state = self._timed_out.pop(key, None)
+            if state is not None and (future := self._futures.get(key)) is not None and not is_moved(future):
+                move_into_flow(future, state)
 
     # -- the background thread ----------------------------------------------------
     def _run(self) -> None:
@@ -336,8 +349,10 @@ class Recycler:
     def _try_workers(self, targets: list[str]) -> dict[str, Any]:
         stuck = tuple(key for address in targets for key in self._stuck.get(address, ()))
         if not any(address in self._workers() for address in targets):
+            self.settle_timed_out(stuck)
             return {"status": "gone"}  # died or removed meanwhile: nothing left to recycle
         reports = self.client.run(drain, workers=targets, on_error="return")
+        self.settle_timed_out(stuck)  # the flow goes on: nothing new starts on these workers
         if any(not isinstance(r, dict) or r["running"] > len(stuck) for r in reports.values()):
             return {"status": "busy"}
         not_started = {address: r["not_started"] for address, r in reports.items()}
