@@ -219,8 +219,9 @@ class Recycler:
         """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.
 
         The flow's future ends ``TimedOut`` as soon as the worker takes no new work
-        (``settle_timed_out``); the restart that frees the thread follows in the background. The run will not run again: should something else
-        still want its key, the next worker finds the task run final and returns that state.
+        (``settle_timed_out``); the restart that frees the thread follows in the background.
+        The run will not run again: should something else still want its key, the next
+        worker finds the task run final and returns that state.
         """
         from prefect.client.orchestration import get_client
         from prefect.states import Failed
