@@ -164,6 +164,9 @@ class RunnerSettings:
         host_gpu_lock: hold each GPU for one cluster at a time on its host, so flow runs
             that each start a cluster on the same GPUs take turns instead of sharing
             them blindly (``worker.host_gpu_lock``).
+        host_cluster: with no ``address``, ``cluster``, ``cluster_class`` or
+            ``cluster_kwargs``, join this user's host cluster (``prefect-gpu-dask cluster
+            start``) where one runs, instead of starting a cluster of the flow run's own.
         settle_s: how long the guard lets the driver settle before confirming a leak.
     """
 
@@ -179,6 +182,7 @@ class RunnerSettings:
     gpu_wait_s: float = 60.0
     health_check_s: float | None = 30.0
     host_gpu_lock: bool = True
+    host_cluster: bool = True
     settle_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -212,6 +216,8 @@ class RunnerSettings:
             raise ValueError(f"health_check_s {every!r} must be a number of seconds > 0, or None")
         if not isinstance(self.host_gpu_lock, bool):
             raise ValueError(f"host_gpu_lock {self.host_gpu_lock!r} must be True or False")
+        if not isinstance(self.host_cluster, bool):
+            raise ValueError(f"host_cluster {self.host_cluster!r} must be True or False")
         settle = self.settle_s
         if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
             raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The scripted GPU has one UUID in every worker: each test process keeps its own GPU
 # turns, so two test processes never wait for each other's "GPU".
-os.environ.setdefault("PREFECT_GPU_DASK_LOCK_DIR", tempfile.mkdtemp(prefix="gpu-turns-"))
+os.environ.setdefault("PREFECT_GPU_DASK_RUNTIME_DIR", tempfile.mkdtemp(prefix="gpu-turns-"))
 
 
 def has_gpu() -> bool:

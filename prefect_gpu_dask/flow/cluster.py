@@ -7,7 +7,8 @@ clusters bind to loopback only: GPU hosts are a favourite target for crypto-mine
 
 Their worker processes are forked from a server process that has already imported
 Prefect, Dask and this package (``forkserver``). ``start_or_join`` is the runner's one
-way to its client.
+way to its client. Where the runner leaves the choice of cluster open and the user runs
+a host cluster (``prefect-gpu-dask cluster start``, ``host_cluster``), it joins that.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import dask
 import distributed
+from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 from prefect_gpu_dask import forkserver, nvml
+from prefect_gpu_dask.host_cluster import FLOW_RUN_CLIENT, HostCluster, find_host_cluster
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
 if TYPE_CHECKING:
@@ -36,6 +40,8 @@ NO_WORKERS_TIMEOUT = "10s"
 # a gpu task's own Dask graph run beside it (docs/performance.md). gpu-tagged tasks
 # still take the GPU one at a time.
 GPU_WORKER_THREADS = 8
+# A host cluster that does not answer this fast is not used: the flow run starts its own.
+HOST_CLUSTER_CONNECT_S = 5
 
 
 def has_dask_cuda() -> bool:
@@ -125,6 +131,18 @@ def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[.
     return from_qualified_name(cluster_class)
 
 
+def start_local_cluster(
+    cluster_class: Callable[..., Any], kwargs: dict[str, Any], stack: ExitStack, config: dict[str, Any]
+) -> Any:
+    """``cluster_class(**kwargs)`` under ``config``, closed with ``stack``; a local
+    cluster's worker processes fork from the server (``forkserver``)."""
+    cuda = is_local_cuda_cluster(cluster_class)
+    if (cuda or is_local_cpu_cluster(cluster_class)) and kwargs.get("processes", True):
+        stack.enter_context(forkserver.worker_processes(cuda))
+    with dask.config.set(config):
+        return stack.enter_context(cluster_class(**kwargs))
+
+
 def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:
     """Start the cluster ``runner`` names (or make the user's cluster adaptive), then
     connect as prefect-dask does.
@@ -133,18 +151,75 @@ def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:
     ``cluster``, a non-local ``cluster_class`` or ``adapt_kwargs``): where they may,
     a task waits ``gpu_wait_s`` for a worker offering its resources.
     """
+    if (host := _host_cluster(runner)) is not None:
+        try:
+            return _join_host_cluster(runner, host), False  # its workers are all there
+        except OSError as exc:  # alive but not answering: the flow run still runs
+            runner.logger.warning(
+                "Could not join the host cluster at %s (pid %d): %s; starting a cluster of this "
+                "flow run's own",
+                host.address,
+                host.pid,
+                exc,
+            )
     _start_cluster(runner)
     # prefect-dask calls an existing cluster's adapt() without awaiting it: the
     # cluster this runner built or was given was made adaptive just above.
     adapt_kwargs, runner.adapt_kwargs = runner.adapt_kwargs, {}
     try:
-        client = DaskTaskRunner.client.fget(runner)
+        client = _connect(runner, runner.address, runner.client_kwargs)
     finally:
         runner.adapt_kwargs = adapt_kwargs
     can_grow = not (
         runner._made_cluster and isinstance(runner._cluster, distributed.LocalCluster) and not adapt_kwargs
     )
     return client, can_grow
+
+
+def _connect(runner: GPUDaskTaskRunner, address: str | None, client_kwargs: dict[str, Any]) -> Any:
+    """prefect-dask's client, to ``address`` with ``client_kwargs`` for this call only
+    (they are not constructor arguments: ``duplicate()`` must not see them). The client
+    is named after the flow run, so the scheduler and ``cluster status`` tell flow runs apart."""
+    kwargs = dict(client_kwargs)
+    if (context := FlowRunContext.get()) is not None and context.flow_run is not None:
+        kwargs.setdefault("name", f"{FLOW_RUN_CLIENT}{context.flow_run.id}")
+    saved = runner.address, runner.client_kwargs
+    runner.address, runner.client_kwargs = address, kwargs
+    try:
+        return DaskTaskRunner.client.fget(runner)
+    finally:
+        runner.address, runner.client_kwargs = saved
+
+
+def _host_cluster(runner: GPUDaskTaskRunner) -> HostCluster | None:
+    """The user's host cluster, where this runner leaves the choice of cluster to us."""
+    if not runner.settings.host_cluster or runner._cluster is not None or runner.address:
+        return None
+    if runner.cluster_class or runner.cluster_kwargs or runner.adapt_kwargs:
+        return None
+    try:
+        distributed.get_client()
+        return None  # a default client (inside a Dask worker: the parent's)
+    except ValueError:
+        pass
+    try:
+        return find_host_cluster()
+    except PermissionError as exc:  # a file or directory someone else could have written
+        runner.logger.warning("Not joining a host cluster: %s", exc)
+        return None
+
+
+def _join_host_cluster(runner: GPUDaskTaskRunner, host: HostCluster) -> Any:
+    runner.logger.info(
+        "Joining this user's host cluster at %s (pid %d, %d worker(s), %d GPU(s))",
+        host.address,
+        host.pid,
+        host.workers,
+        host.gpus,
+    )
+    kwargs = {**runner.client_kwargs, "security": host.security}
+    kwargs.setdefault("timeout", HOST_CLUSTER_CONNECT_S)
+    return _connect(runner, host.address, kwargs)
 
 
 def _start_cluster(runner: GPUDaskTaskRunner) -> None:
@@ -170,11 +245,7 @@ def _start_cluster(runner: GPUDaskTaskRunner) -> None:
         if runner.settings.on_missing_gpu == "error" and not runner.adapt_kwargs
         else {}
     )
-    cuda = is_local_cuda_cluster(cluster_class)
-    if (cuda or is_local_cpu_cluster(cluster_class)) and kwargs.get("processes", True):
-        runner._exit_stack.enter_context(forkserver.worker_processes(cuda))
-    with dask.config.set(config):
-        runner._cluster = runner._exit_stack.enter_context(cluster_class(**kwargs))
+    runner._cluster = start_local_cluster(cluster_class, kwargs, runner._exit_stack, config)
     runner._made_cluster = True
     if runner.adapt_kwargs:
         adapt(runner._cluster, runner.adapt_kwargs)

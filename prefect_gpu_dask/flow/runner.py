@@ -114,6 +114,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         gpu_wait_s: float = 60.0,
         health_check_s: float | None = 30.0,
         host_gpu_lock: bool = True,
+        host_cluster: bool = True,
     ):
         self.settings = RunnerSettings(
             tag_resources=tag_resources if tag_resources is not None else {},
@@ -128,6 +129,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             gpu_wait_s=gpu_wait_s,
             health_check_s=health_check_s,
             host_gpu_lock=host_gpu_lock,
+            host_cluster=host_cluster,
         )
         check_connection(address, security, allow_insecure)
         self.router = TagRouter(self.settings.tag_resources)

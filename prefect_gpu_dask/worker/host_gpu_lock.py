@@ -9,13 +9,11 @@ tasks as before; another cluster's waits until the last of them is done, then ha
 own. A cluster waiting keeps the one on the GPU from starting new tasks there, so the
 clusters alternate task by task instead of one starving the other.
 
-Three files per GPU, in a directory only their user may use
-(``$XDG_RUNTIME_DIR/prefect-gpu-dask`` or ``/tmp/prefect-gpu-dask-<uid>``, mode 0700,
-refused if someone else owns it or can write to it): a shared ``flock`` on ``.gate``
-held by every process running ``gpu`` work on the GPU, an exclusive one on ``.mutex``
-while a process enters, and ``.room``, which cluster has the turn and who waits. The
-kernel drops a dead process's locks, and a stale ``.room`` is overwritten by the next
-process to find the gate free: a crash leaves nothing stuck.
+Three files per GPU, in the user's private directory (``private_dir``): a shared
+``flock`` on ``.gate`` held by every process running ``gpu`` work on the GPU, an
+exclusive one on ``.mutex`` while a process enters, and ``.room``, which cluster has
+the turn and who waits. The kernel drops a dead process's locks, and a stale ``.room``
+is overwritten by the next process to find the gate free: a crash leaves nothing stuck.
 """
 
 from __future__ import annotations
@@ -24,40 +22,13 @@ import contextlib
 import fcntl
 import json
 import os
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-DIRECTORY_ENV = "PREFECT_GPU_DASK_LOCK_DIR"
-
-
-class SharedDirectoryError(PermissionError):
-    """The lock directory is not this user's alone."""
-
-
-def lock_directory() -> Path:
-    """This user's directory of GPU claims, made private if it is new."""
-    if explicit := os.environ.get(DIRECTORY_ENV):
-        path = Path(explicit)
-    elif runtime := os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(runtime) / "prefect-gpu-dask"
-    else:
-        path = Path(tempfile.gettempdir()) / f"prefect-gpu-dask-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700, parents=False)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise SharedDirectoryError(
-            f"{path} must be a directory of uid {os.getuid()} with mode 0700 to hold GPU claims "
-            f"(it is uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): refusing to share "
-            f"GPU slots through it; remove it or set {DIRECTORY_ENV}"
-        )
-    return path
-
+from prefect_gpu_dask.private_dir import private_directory
 
 WAITER_STALE_S = 2.0  # a waiter that stopped asking this long ago has gone
 POLL_S = 0.05
@@ -80,7 +51,7 @@ class HostGPUClaim:
     def __init__(self, gpu_uuid: str, cluster: str, directory: Path | None = None):
         if not gpu_uuid or "/" in gpu_uuid:
             raise ValueError(f"gpu_uuid {gpu_uuid!r} cannot name a lock file")
-        base = (directory or lock_directory()) / f"gpu-{gpu_uuid}"
+        base = (directory or private_directory()) / f"gpu-{gpu_uuid}"
         self.gate, self.mutex, self.room = (base.with_suffix(s) for s in (".gate", ".mutex", ".room"))
         self.cluster = cluster
         self._fd: int | None = None

@@ -19,7 +19,7 @@ def start_flow_run(ledger: Path, lock_dir: Path) -> subprocess.Popen:
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "PREFECT_GPU_DASK_LOCK_DIR": str(lock_dir),
+        "PREFECT_GPU_DASK_RUNTIME_DIR": str(lock_dir),
     }
     return subprocess.Popen(
         [sys.executable, "-m", "tests.shared_host_flows", str(ledger), str(HOLD_S)],

@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_dask.worker.host_gpu_lock import (
-    DIRECTORY_ENV,
-    HostGPUClaim,
-    SharedDirectoryError,
-    lock_directory,
-)
+from prefect_gpu_dask.private_dir import DIRECTORY_ENV, SharedDirectoryError, private_directory
+from prefect_gpu_dask.worker.host_gpu_lock import HostGPUClaim
 
 UUID = "GPU-test-0000"
 
@@ -88,17 +84,17 @@ def test_a_directory_others_can_use_is_refused(tmp_path, monkeypatch):
     shared.chmod(0o777)
     monkeypatch.setenv(DIRECTORY_ENV, str(shared))
     with pytest.raises(SharedDirectoryError, match="mode 0700"):
-        lock_directory()
+        private_directory()
     if os.getuid() == 0:  # only root can hand a directory to another user
         shared.chmod(0o700)
         os.chown(shared, 12345, -1)
         with pytest.raises(SharedDirectoryError, match="uid 12345"):
-            lock_directory()
+            private_directory()
 
 
 def test_a_new_directory_is_private(tmp_path, monkeypatch):
     monkeypatch.setenv(DIRECTORY_ENV, str(tmp_path / "mine"))
-    path = lock_directory()
+    path = private_directory()
     assert path.stat().st_mode & 0o777 == 0o700
     with pytest.raises(ValueError, match="cannot name a lock file"):
         HostGPUClaim("../x", "tcp://127.0.0.1:1", directory=path)

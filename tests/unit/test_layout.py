@@ -1,8 +1,9 @@
 """The package's import graph: which process each module runs in, read from its folder.
 
 ``prefect_gpu_dask/flow/`` runs in the flow process, ``scheduler/`` on the Dask
-scheduler, ``worker/`` in a Dask worker (and its nanny); the modules at the top are
-what more than one of them needs. The rules, over every import in the package (those
+scheduler, ``worker/`` in a Dask worker (and its nanny), ``cli/`` in the operator's
+terminal (the ``prefect-gpu-dask`` command, and the host cluster it runs); the modules
+at the top are what more than one of them needs. The rules, over every import in the package (those
 inside functions too; ``if TYPE_CHECKING:`` blocks, which never run, aside):
 
 1. There are no cycles.
@@ -11,7 +12,10 @@ inside functions too; ``if TYPE_CHECKING:`` blocks, which never run, aside):
    public ``prefect_gpu_dask`` map imports down into every folder).
 3. A module imports from its own folder and from the top only. A top-level module
    imports nothing from ``flow/``, ``scheduler/`` or ``worker/``.
-4. The one exception is what a process ships to another one to run there: a plugin it
+4. ``cli/`` is a client of the cluster as the flow is, and starts a cluster as the
+   runner does: it may import ``flow/``. ``__main__`` (``python -m prefect_gpu_dask``)
+   imports the command from ``cli/``.
+5. The one exception is what a process ships to another one to run there: a plugin it
    registers, a function for ``client.run`` / ``run_on_scheduler``, a wrapper that
    travels inside a task, the task function itself. Each such import is listed in
    ``SHIPPED`` by importing module, source module and name. Nothing is shipped to the
@@ -30,7 +34,10 @@ import prefect_gpu_dask
 
 ROOT = Path(prefect_gpu_dask.__file__).parent
 PACKAGE = "prefect_gpu_dask"
-PROCESSES = ("flow", "scheduler", "worker")
+PROCESSES = ("flow", "scheduler", "worker", "cli")
+# importing folder (None: the top) -> folders it may import besides its own and the top
+CLIENTS = {"cli": {"flow"}}
+ENTRY = {"__main__": {"cli"}}
 
 # importing module -> {source module: names it ships to the source's process}
 SHIPPED: dict[str, dict[str, set[str]]] = {
@@ -65,6 +72,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
     },
     "flow.resource_wait": {"scheduler.fallback": {"release", "stranded", "fail"}},  # run_on_scheduler
     "worker.quarantine": {"scheduler.quarantine": {"withdraw"}},  # run on the scheduler by the worker
+    "cli.host_cluster": {"worker.labels": {"GPULabels"}},  # registered on the host cluster's workers
 }
 
 
@@ -83,7 +91,7 @@ def _short(module: str) -> str:
 
 
 def _folder(module: str) -> str | None:
-    """``flow``, ``scheduler`` or ``worker``; None for the top (shared) modules."""
+    """``flow``, ``scheduler``, ``worker`` or ``cli``; None for the top (shared) modules."""
     first = _short(module).split(".")[0]
     return first if first in PROCESSES else None
 
@@ -170,6 +178,8 @@ def test_each_module_imports_its_own_folder_and_the_top_and_what_it_ships():
             there = _folder(target)
             if there is None or there == here or target == PACKAGE:
                 continue
+            if there in CLIENTS.get(here, set()) | ENTRY.get(_short(module), set()):
+                continue
             shipped = SHIPPED.get(_short(module), {}).get(_short(target), set())
             if here is None or name not in shipped:
                 unlisted.append(f"{_short(module)} imports {_short(target)}.{name or '*'}")
@@ -202,5 +212,5 @@ def test_the_readme_lists_every_module_in_its_folder():
             indent = len(line) - len(line.lstrip())
             parts = (folder, name[:-3]) if indent > 2 else (name[:-3],)
             listed.add(".".join((PACKAGE, *parts)).removesuffix(".__init__"))
-    packages = {m for m in MODULES if _is_package(m) and m != PACKAGE}  # flow/, scheduler/, worker/
+    packages = {m for m in MODULES if _is_package(m) and m != PACKAGE}  # the folders' __init__
     assert listed == set(MODULES) - packages
