@@ -170,6 +170,8 @@ class GPUMemoryGuard(WorkerPlugin):
         self._sampler: PeakSampler | None = None
         self._activity: ActivityWatch | None = None
         self.health: HealthWatch | None = None
+        self._health_asked = False  # a flow run asked for checks this plugin's settings left off
+        self._follow_lock: threading.Lock | None = None  # made in setup: the plugin is pickled
         self._read_process: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
         # (task name, worker thread) that already left growth outside every allocator,
@@ -181,6 +183,7 @@ class GPUMemoryGuard(WorkerPlugin):
     # -- WorkerPlugin -------------------------------------------------------------
     async def setup(self, worker: Any) -> None:
         self.worker = worker
+        self._follow_lock = threading.Lock()
         try:
             self.probe = worker_probe(worker, self.settings.memory_probe)
         except Exception as exc:  # NVML present but unusable: guard off, worker fine
@@ -200,19 +203,34 @@ class GPUMemoryGuard(WorkerPlugin):
         self._sampler = PeakSampler(self.probe)
         reader = getattr(self.probe, "activity_reader", None)
         self._activity = ActivityWatch(reader()) if reader is not None else None
-        self._watch_health(worker)
+        self._watch_health(worker, self.settings.health_check_s)
+        self._health_asked = self.health is not None
 
-    def _watch_health(self, worker: Any) -> None:
+    def _watch_health(self, worker: Any, interval_s: float | None) -> None:
         reader = getattr(self.probe, "health_reader", None)
-        if self.settings.health_check_s is None or reader is None:
+        if interval_s is None or reader is None:
             return
         try:
             monitor = HealthMonitor(reader())
         except Exception as exc:  # NVML cannot judge this GPU: memory is still guarded
             logger.warning("GPU health checks off on %s: %s", worker.address, exc)
             return
-        self.health = HealthWatch(monitor, worker, self.probe.gpu, self.settings.health_check_s)
+        self.health = HealthWatch(monitor, worker, self.probe.gpu, interval_s)
         self.health.start()
+
+    def follow(self, settings: RunnerSettings) -> None:
+        """What is per GPU, not per flow run, follows the strictest flow run using it:
+        health checks as often as the shortest ``health_check_s`` asked for (a flow run
+        with checks off leaves them to the others)."""
+        every = settings.health_check_s
+        if every is None or (self.health is not None and every >= self.health.interval_s):
+            return  # the common case, one comparison per task
+        with self._follow_lock:
+            if self.health is not None:
+                self.health.tighten(every)
+            elif not self._health_asked:
+                self._health_asked = True
+                self.worker.loop.add_callback(self._watch_health, self.worker, every)
 
     async def teardown(self, worker: Any) -> None:
         if self.health is not None:
@@ -430,6 +448,8 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
     if guard is None:
         yield
         return
+    if settings is not None:
+        guard.follow(settings)
     ticket, before, started = guard.begin()
     oom = None
     try:

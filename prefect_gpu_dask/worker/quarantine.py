@@ -55,14 +55,34 @@ class HealthWatch:
 
     def start(self) -> None:
         """On the worker's event loop: check now, then every ``interval_s``."""
-        from tornado.ioloop import PeriodicCallback
-
         for limit in self.monitor.limits:
             logger.info("GPU health on %s: %s", self.worker.address, limit)
+        self._set_timer()
+        self.worker.loop.add_callback(self._tick)
+
+    def _set_timer(self) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        if (old := self.worker.periodic_callbacks.pop(TIMER_NAME, None)) is not None:
+            old.stop()
         timer = PeriodicCallback(self._tick, self.interval_s * 1000)
         self.worker.periodic_callbacks[TIMER_NAME] = timer
         timer.start()
-        self.worker.loop.add_callback(self._tick)
+
+    def tighten(self, interval_s: float) -> None:
+        """Check every ``interval_s`` from now on, if that is more often: flow runs
+        sharing this GPU may ask for different intervals, and the strictest applies."""
+        if interval_s >= self.interval_s:
+            return
+        logger.warning(  # another flow run's setting now applies to this one's GPU too
+            "GPU health checks on %s every %g s, the shortest interval a flow run using it "
+            "asked for (was %g s)",
+            self.worker.address,
+            interval_s,
+            self.interval_s,
+        )
+        self.interval_s = interval_s
+        self.worker.loop.add_callback(self._set_timer)
 
     def close(self) -> None:
         timer = self.worker.periodic_callbacks.pop(TIMER_NAME, None)

@@ -126,3 +126,30 @@ def test_with_no_healthy_gpu_left_gpu_tasks_fail_fast_and_cpu_work_goes_on(dask_
     assert sorted(q.withdrawn for q in quarantines) == [False, True]
     assert "GPU is lost (fell off the bus)" in by_name["gpu-a"].reasons
     assert any("Xid 79" in reason for reason in by_name["gpu-b"].reasons)
+
+
+def test_flow_runs_sharing_a_gpu_get_the_strictest_health_check_interval(dask_processes, health_dir):
+    """The first flow run registers the guard with hourly checks; a second on the same
+    cluster asks for checks every 0.5 s. The worker then checks every 0.5 s, so a GPU
+    that falls sick while no task runs is quarantined by the timer alone."""
+    address = start_two_gpu_workers(dask_processes)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE, health_check_s=3600))
+    def hourly() -> list[str]:
+        return [f.result() for f in [where.submit(0.2) for _ in range(4)]]
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE, health_check_s=0.5))
+    def often() -> list:
+        [f.result() for f in [where.submit(0.2) for _ in range(4)]]
+        make_sick(health_dir, "gpu-a", ecc_volatile_uncorrectable=1)
+        runner = FlowRunContext.get().task_runner
+        deadline = time.monotonic() + 20
+        while not runner.quarantines and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return list(runner.quarantines)
+
+    assert set(hourly()) == {"gpu-a", "gpu-b"}
+    [sick] = often()
+    assert sick.worker_name == "gpu-a" and sick.reasons == ("1 volatile uncorrectable ECC error",)
+    log = (dask_processes.tmp / "worker-gpu-a.log").read_text()
+    assert log.count("every 0.5 s, the shortest interval a flow run using it asked for (was 3600 s)") == 1
