@@ -4,6 +4,14 @@ fraction of the GPU's memory.
 
     python benchmarks/shared_gpu_host.py --flows 2 --fraction 0.6            # with the host lock
     python benchmarks/shared_gpu_host.py --flows 2 --fraction 0.6 --no-lock  # without: they collide
+    python benchmarks/shared_gpu_host.py --flows 4 --host-cluster --leak-in-one --tasks 10
+
+``--host-cluster`` starts ``prefect-gpu-dask cluster start`` first (in a private runtime
+directory), so every flow run joins that one cluster instead of starting its own.
+``--leak-in-one``: the first flow run's task also keeps 512 MiB on the GPU (a leak), so
+its worker is recycled while the others run; ``--tasks`` short ``gpu`` tasks per flow run
+follow the big one. Checked: every task of every flow run completed, none ran twice, the
+leaking flow run's restart is in its ``runner.restarts``.
 
 Every flow run is a process of its own (as under a process work pool), all reporting
 to one ``prefect server start`` (``benchmarks/servers.py``). Each task allocates its
@@ -21,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,18 +58,67 @@ def fill_gpu(ledger: str, fraction: float, hold_s: float) -> int:
     return nbytes
 
 
-def one_flow_run(ledger: str, fraction: float, hold_s: float, lock: bool) -> None:
+KEPT: list = []  # the leaking task's CuPy arrays, kept by its worker process
+LEAK_BYTES = 512 * 2**20
+
+
+def short_gpu_task(ledger: str, label: str) -> int:
+    """A little real GPU work, noted in the ledger."""
+    import cupy
+
+    started = time.time()
+    x = cupy.random.random((2048, 2048))
+    float((x @ x).sum())
+    with open(ledger, "a") as fh:
+        fh.write(
+            json.dumps({"pid": os.getpid(), "start": started, "end": time.time(), "label": label}) + "\n"
+        )
+    return os.getpid()
+
+
+def leaking_gpu_task(ledger: str, label: str) -> int:
+    import cupy
+
+    started = time.time()
+    KEPT.append(cupy.ones(LEAK_BYTES // 8))
+    cupy.cuda.Device().synchronize()
+    with open(ledger, "a") as fh:
+        fh.write(
+            json.dumps({"pid": os.getpid(), "start": started, "end": time.time(), "label": label}) + "\n"
+        )
+    return os.getpid()
+
+
+def one_flow_run(
+    ledger: str, fraction: float, hold_s: float, lock: bool, index: int, tasks: int, leak: bool
+) -> None:
     from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from prefect.futures import wait
 
     from prefect_gpu_dask import GPUDaskTaskRunner
 
     gpu_task = task(fill_gpu, name="fill-gpu", tags=["gpu"])
+    short = task(short_gpu_task, name="short", tags=["gpu"])
+    leaking = task(leaking_gpu_task, name="leak-512MiB", tags=["gpu"])
 
     @flow(name="shared-gpu-host", task_runner=GPUDaskTaskRunner(host_gpu_lock=lock))
-    def nightly() -> int:
-        return gpu_task.submit(ledger, fraction, hold_s).result()
+    def nightly() -> dict:
+        futures = [gpu_task.submit(ledger, fraction, hold_s)]
+        if leak:
+            futures.append(leaking.submit(ledger, f"flow{index}-leak"))
+        futures += [short.submit(ledger, f"flow{index}-short{i}") for i in range(tasks)]
+        wait(futures)
+        runner = FlowRunContext.get().task_runner
+        return {
+            "flow": index,
+            "states": [f.state.type.value for f in futures],
+            "restarts": [
+                {"reason": r.reason, "outcome": r.outcome, "serving_s": r.serving_s} for r in runner.restarts
+            ],
+        }
 
-    nightly()
+    print("RESULT " + json.dumps(nightly()))
 
 
 def overlaps(spans: list[tuple[float, float]]) -> int:
@@ -74,11 +132,19 @@ def main() -> int:
     parser.add_argument("--fraction", type=float, default=0.6)
     parser.add_argument("--hold", type=float, default=5.0)
     parser.add_argument("--no-lock", action="store_true")
+    parser.add_argument("--host-cluster", action="store_true", help="flow runs join one host cluster")
+    parser.add_argument("--leak-in-one", action="store_true", help="the first flow run also leaks 512 MiB")
+    parser.add_argument("--tasks", type=int, default=0, help="short gpu tasks per flow run after the big one")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--one", nargs=3, metavar=("LEDGER", "FRACTION", "HOLD"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--one", nargs=5, metavar=("LEDGER", "FRACTION", "HOLD", "INDEX", "LEAK"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.one:  # a flow run's own process
-        one_flow_run(args.one[0], float(args.one[1]), float(args.one[2]), not args.no_lock)
+        ledger, fraction, hold, index, leak = args.one
+        one_flow_run(
+            ledger, float(fraction), float(hold), not args.no_lock, int(index), args.tasks, leak == "1"
+        )
         return 0
     if args.flows < 1 or not 0 < args.fraction < 1:
         parser.error(f"--flows {args.flows} must be >= 1 and --fraction {args.fraction} in (0, 1)")
@@ -87,23 +153,49 @@ def main() -> int:
 
     ledger = Path(f"/tmp/shared-gpu-host-{os.getpid()}.jsonl")
     ledger.unlink(missing_ok=True)
-    with using_prefect_server() as api:
-        env = {
-            **os.environ,
-            "PREFECT_API_URL": api,
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        }
-        command = [sys.executable, __file__, "--one", str(ledger), str(args.fraction), str(args.hold)]
-        command += ["--no-lock"] if args.no_lock else []
-        started = time.time()
-        runs = [
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(args.flows)
-        ]
-        outputs = [run.communicate(timeout=600)[0] for run in runs]
-        wall = time.time() - started
+    runtime = tempfile.mkdtemp(prefix="shared-gpu-host-")
+    base_env = {
+        **os.environ,
+        "PREFECT_GPU_DASK_RUNTIME_DIR": runtime,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    host_cluster = [sys.executable, "-m", "prefect_gpu_dask", "cluster"]
+    if args.host_cluster:
+        began = time.time()
+        subprocess.run(
+            host_cluster + ["start", "--dashboard-address", "127.0.0.1:0"], env=base_env, check=True
+        )
+        print(f"host cluster started in {time.time() - began:.2f} s")
+    try:
+        with using_prefect_server() as api:
+            env = {**base_env, "PREFECT_API_URL": api}
+            started = time.time()
+            runs = []
+            for index in range(args.flows):
+                leak = "1" if args.leak_in_one and index == 0 else "0"
+                one = [str(ledger), str(args.fraction), str(args.hold), str(index), leak]
+                command = [sys.executable, __file__, "--one", *one, "--tasks", str(args.tasks)]
+                command += ["--no-lock"] if args.no_lock else []
+                runs.append(
+                    subprocess.Popen(
+                        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    )
+                )
+            outputs = [run.communicate(timeout=600)[0] for run in runs]
+            wall = time.time() - started
+    finally:
+        if args.host_cluster:
+            subprocess.run(host_cluster + ["stop", "--force"], env=base_env)
+    results = [
+        json.loads(line[len("RESULT ") :])
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("RESULT ")
+    ]
     rows = [json.loads(line) for line in ledger.read_text().splitlines()] if ledger.exists() else []
-    spans = [(r["start"], r["end"]) for r in rows]
+    fills = [r for r in rows if "label" not in r]
+    labels = [r["label"] for r in rows if "label" in r]
+    spans = [(r["start"], r["end"]) for r in fills]
     failed = sum(run.returncode != 0 for run in runs)
     ooms = sum("OutOfMemory" in out for out in outputs)
     busy = sum(end - start for start, end in spans)
@@ -113,9 +205,16 @@ def main() -> int:
         "fraction": args.fraction,
         "hold_s": args.hold,
         "host_gpu_lock": not args.no_lock,
+        "host_cluster": args.host_cluster,
+        "leak_in_one": args.leak_in_one,
+        "short_tasks_per_flow": args.tasks,
         "failed_flow_runs": failed,
         "flow_runs_with_oom": ooms,
-        "tasks_done": len(rows),
+        "tasks_done": len(fills),
+        "short_or_leak_tasks_done": len(labels),
+        "tasks_run_twice": len(labels) - len(set(labels)),
+        "tasks_not_completed": sum(s != "COMPLETED" for r in results for s in r["states"]),
+        "restarts": [dict(flow=r["flow"], **x) for r in results for x in r["restarts"]],
         "overlapping_pairs": overlaps(spans),
         "sum_of_task_s": round(busy, 3),
         "first_start_to_last_end_s": round(span, 3),
@@ -138,10 +237,17 @@ def main() -> int:
         "nproc": os.cpu_count(),
         "summary": summary,
         "tasks": rows,
+        "flow_runs": results,
     }
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
-    return 1 if not args.no_lock and (failed or summary["overlapping_pairs"]) else 0
+    broken = (
+        failed or summary["overlapping_pairs"] or summary["tasks_run_twice"] or summary["tasks_not_completed"]
+    )
+    unrecycled = args.leak_in_one and not any(
+        r["flow"] == 0 and r["outcome"] == "replaced" for r in summary["restarts"]
+    )
+    return 1 if not args.no_lock and (broken or unrecycled) else 0
 
 
 def _gpu_name() -> str | None:

@@ -65,7 +65,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     It takes ``prefect_dask.DaskTaskRunner``'s arguments, plus ``security`` and
     ``allow_insecure`` for remote clusters and the GPU settings of ``RunnerSettings``
     (the README's table lists them all). With no ``address`` or ``cluster_class`` it
-    starts a ``LocalCUDACluster`` (one worker per GPU) where it finds GPUs, and a CPU
+    joins the user's host cluster where one runs (``prefect-gpu-dask cluster start``),
+    or starts a ``LocalCUDACluster`` (one worker per GPU) where it finds GPUs, and a CPU
     ``LocalCluster`` otherwise, where ``gpu`` tasks run with a warning
     (``on_missing_gpu="cpu"``) or fail (``"error"``). After a flow run, ``records``,
     ``restarts`` and ``quarantines`` say what the guard saw, which workers were
