@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "integration/test_shared_cluster.py",
     "integration/test_shared_host.py",
     "integration/test_recycle_loss.py",
+    "integration/test_host_cluster.py",
     "integration/test_load.py",
     "integration/test_runner.py",
     "integration/test_restart_races.py",

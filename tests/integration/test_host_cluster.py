@@ -103,6 +103,34 @@ def held_until(go: str, started: str) -> int:
     return os.getpid()
 
 
+@task(tags=["gpu"])
+def on_the_gpu() -> tuple[int, str]:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return os.getpid(), props["name"].decode()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_host_it_is_a_labelled_cuda_cluster_that_flow_runs_join(runtime, host_cluster):
+    host = host_cluster()
+    status = json.loads(cli(runtime, "cluster", "status", "--json").stdout)
+    assert host.gpus >= 1 and len(status["workers"]) == host.gpus
+    assert all(w["gpu"] and w["gpu_memory"] > 0 and w["gpu_slots"] == 1 for w in status["workers"]), status
+
+    @flow(task_runner=GPUDaskTaskRunner())
+    def nightly():
+        from prefect.context import FlowRunContext
+
+        result = on_the_gpu.submit().result()
+        return result, FlowRunContext.get().task_runner.records
+
+    (pid, device), records = nightly()
+    assert pid in worker_pids(runtime, host)
+    assert records and records[0].gpu_uuid, records
+    print(f"host cluster: {status['workers']}; task ran on {device}")
+
+
 def test_only_its_owner_gets_in(runtime, host_cluster, caplog):
     host = host_cluster()
     with pytest.raises(Exception, match="TLS"):
