@@ -57,6 +57,18 @@ def client_time(**kwargs) -> float:
         return time.perf_counter() - began
 
 
+def cold_client_time(join: str) -> float:
+    """``client_time`` in a new Python process (imports done before the clock starts)."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from benchmarks.probes.host_cluster import client_time; "
+        "print(client_time(host_cluster=sys.argv[2] == 'True'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), join], capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def tasks_time(n: int, **kwargs) -> float:
     from prefect import flow, task
     from prefect.futures import wait
@@ -91,11 +103,13 @@ def main() -> None:
     cli("cluster", "start", "--workers", str(args.workers), "--threads-per-worker", "2",
         "--resources", "GPU=1", "--dashboard-address", "127.0.0.1:0")  # fmt: skip
     try:
-        with using_prefect_server():
+        with using_prefect_server() as api:
             from distributed import LocalCluster
 
             joins = [client_time() for _ in range(args.joins)]
-            starts = [client_time(host_cluster=False) for _ in range(args.starts)]
+            # Each in a new process, as each flow run of a process work pool is: cold.
+            joins_cold = [cold_client_time("True", api) for _ in range(args.starts)]
+            starts = [cold_client_time("False", api) for _ in range(args.starts)]
             tls = [tasks_time(args.tasks) for _ in range(args.repeat)]
             with LocalCluster(host="127.0.0.1", dashboard_address=":0", **shape) as plain:
                 tcp = [tasks_time(args.tasks, address=plain.scheduler_address) for _ in range(args.repeat)]
@@ -107,12 +121,13 @@ def main() -> None:
         "nproc": os.cpu_count(),
         "shape": shape,
         "join_host_cluster": summary(joins),
-        "start_own_cluster": summary(starts),
+        "join_host_cluster_new_process": summary(joins_cold),
+        "start_own_cluster_new_process": summary(starts),
         f"{args.tasks}_tasks_tls_host_cluster": summary(tls),
         f"{args.tasks}_tasks_tcp_local_cluster": summary(tcp),
         "tls_over_tcp": round(statistics.median(tls) / statistics.median(tcp), 3),
     }
-    print(f"{'':34}{'median':>10}{'p95':>10}")
+    print(f"{'seconds':34}{'median':>10}{'p95':>10}")
     for name, value in result.items():
         if isinstance(value, dict) and "median_s" in value:
             print(f"{name:34}{value['median_s']:>10.3f}{value['p95_s']:>10.3f}")
