@@ -57,15 +57,16 @@ def client_time(**kwargs) -> float:
         return time.perf_counter() - began
 
 
-def cold_client_time(join: str) -> float:
+def cold_client_time(join: str, api: str) -> float:
     """``client_time`` in a new Python process (imports done before the clock starts)."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from benchmarks.probes.host_cluster import client_time; "
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from benchmarks.probes.host_cluster import client_time; "
         "print(client_time(host_cluster=sys.argv[2] == 'True'))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), join], capture_output=True, text=True, check=True
-    )
+    env = {**os.environ, "PREFECT_API_URL": api}
+    command = [sys.executable, "-c", code, str(ROOT), join]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return float(out.stdout.strip().splitlines()[-1])
 
 
