@@ -16,6 +16,7 @@ import click
 from dask.utils import format_bytes, format_time
 
 from prefect_gpu_dask.cli import host_cluster
+from prefect_gpu_dask.cli.tables import table
 from prefect_gpu_dask.host_cluster import find_host_cluster
 
 NOT_RUNNING = 3
@@ -30,6 +31,7 @@ def main() -> None:
       prefect-gpu-dask cluster start        # one cluster for every flow run of this user here
       prefect-gpu-dask cluster status       # its workers, GPUs and the flow runs using it
       prefect-gpu-dask cluster stop
+      prefect-gpu-dask report FLOW_RUN_ID   # a flow run's GPU records, restarts, quarantines
     """
 
 
@@ -120,22 +122,21 @@ def status(as_json: bool) -> None:
     )
     click.echo(f"Dashboard     {host.dashboard}")
     click.echo(f"Workers       {len(found.workers)}")
-    rows = [("NAME", "ADDRESS", "GPU", "GPU MEMORY", "GPU SLOTS", "THREADS", "RUNNING")]
-    for w in found.workers:
-        rows.append(
-            (
-                w.name,
-                w.address,
-                w.gpu or "-",
-                format_bytes(w.gpu_memory) if w.gpu_memory else "-",
-                f"{w.gpu_slots:g}",
-                str(w.threads),
-                str(w.running),
-            )
+    rows = [
+        (
+            w.name,
+            w.address,
+            w.gpu or "-",
+            format_bytes(w.gpu_memory) if w.gpu_memory else "-",
+            f"{w.gpu_slots:g}",
+            str(w.threads),
+            str(w.running),
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        for w in found.workers
+    ]
+    header = ("NAME", "ADDRESS", "GPU", "GPU MEMORY", "GPU SLOTS", "THREADS", "RUNNING")
+    for line in table(header, rows):
+        click.echo(line)
     click.echo(
         f"Clients       {len(found.clients)} ({len(found.flow_runs)} flow run(s)), {found.tasks} task(s)"
     )
@@ -155,3 +156,31 @@ def stop(force: bool) -> None:
     except host_cluster.HostClusterError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"Stopped the host cluster at {host.address} (pid {host.pid})")
+
+
+@main.command()
+@click.argument("flow_run_id")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+def report(flow_run_id: str, as_json: bool) -> None:
+    """What a flow run did to its GPUs: each task's record, restarts, quarantined GPUs.
+
+    Read from the Prefect API (PREFECT_API_URL), as read_flow_run_gpu_report does: no
+    cluster or GPU is needed.
+
+    \b
+    Examples:
+      prefect-gpu-dask report 4b7c1e2a-...-flow-run-id
+      prefect-gpu-dask report 4b7c1e2a-...-flow-run-id --json | jq '.records[] | select(.verdict == "leak")'
+    """
+    from prefect_gpu_dask.cli.report import render, to_dict
+    from prefect_gpu_dask.flow.flow_run_report import read_flow_run_gpu_report
+
+    try:
+        found = read_flow_run_gpu_report(flow_run_id)
+    except ValueError:
+        raise click.BadParameter(f"{flow_run_id!r} is not a flow run id (a UUID)") from None
+    except Exception as exc:  # the API unreachable or refusing
+        raise click.ClickException(
+            f"Could not read flow run {flow_run_id} from the Prefect API: {exc}"
+        ) from None
+    click.echo(json.dumps(to_dict(found), indent=2) if as_json else render(found))

@@ -28,8 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from prefect_gpu_dask.flow.reporting import RESTART_EVENT, RESTARTS_KEY, TABLE_KEY, TASK_TABLE_DESCRIPTION
-from prefect_gpu_dask.records import LEAK, RestartRecord, TaskRecord
+from prefect_gpu_dask.flow.reporting import (
+    RESTART_EVENT,
+    RESTARTS_KEY,
+    TABLE_KEY,
+    TASK_TABLE_DESCRIPTION,
+    UNHEALTHY_EVENT,
+)
+from prefect_gpu_dask.records import LEAK, GPUQuarantine, RestartRecord, TaskRecord
 
 PAGE = 200  # the API's default page limit for artifacts
 EVENTS_PAGE = 50  # and its most events per page
@@ -37,11 +43,13 @@ EVENTS_PAGE = 50  # and its most events per page
 
 @dataclass(frozen=True)
 class FlowRunGPUReport:
-    """The guard's records and the runner's restarts of one flow run, oldest first."""
+    """The guard's records, the runner's restarts and the GPUs quarantined of one flow
+    run, oldest first."""
 
     flow_run_id: str
     records: tuple[TaskRecord, ...]
     restarts: tuple[RestartRecord, ...]
+    quarantines: tuple[GPUQuarantine, ...] = ()  # GPUs found sick while the flow run used them
 
     @property
     def leaks(self) -> tuple[TaskRecord, ...]:
@@ -86,6 +94,19 @@ def _restarts(artifacts: Iterable[Any], events: Iterable[Any]) -> tuple[RestartR
     return tuple(sorted(seen.values(), key=lambda r: r.requested_at))
 
 
+def _quarantines(events: Iterable[Any]) -> tuple[GPUQuarantine, ...]:
+    seen: dict[tuple[Any, ...], GPUQuarantine] = {}
+    for event in events:
+        if event.event != UNHEALTHY_EVENT:
+            continue
+        try:
+            quarantine = GPUQuarantine.from_event(event.payload)
+        except (TypeError, ValueError, KeyError):
+            continue
+        seen[(quarantine.gpu_uuid, quarantine.worker, quarantine.time)] = quarantine
+    return tuple(sorted(seen.values(), key=lambda q: q.time))
+
+
 def _filters(flow_run_id: str) -> tuple[Any, Any]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
     from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
@@ -95,14 +116,14 @@ def _filters(flow_run_id: str) -> tuple[Any, Any]:
         type=ArtifactFilterType(any_=["table"]),
     )
     events = EventFilter(
-        event=EventNameFilter(name=[RESTART_EVENT]),
+        event=EventNameFilter(name=[RESTART_EVENT, UNHEALTHY_EVENT]),
         related=EventRelatedFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
     )
     return artifacts, events
 
 
 def read_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport:
-    """The records and restarts of ``flow_run_id``, from the current Prefect API."""
+    """The records, restarts and quarantines of ``flow_run_id``, from the current Prefect API."""
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     return run_coro_as_sync(aread_flow_run_gpu_report(flow_run_id))
@@ -130,4 +151,6 @@ async def aread_flow_run_gpu_report(flow_run_id: str | UUID) -> FlowRunGPUReport
         while events_page.next_page is not None:
             events_page = await client.read_events_page(str(events_page.next_page))
             events += events_page.events
-    return FlowRunGPUReport(flow_run_id, _records(artifacts), _restarts(artifacts, events))
+    return FlowRunGPUReport(
+        flow_run_id, _records(artifacts), _restarts(artifacts, events), _quarantines(events)
+    )

@@ -4,6 +4,7 @@ flow process was killed: what was published as tasks finished is all there is.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import signal
@@ -99,6 +100,23 @@ def test_records_and_restarts_read_back_after_the_flow_process_is_killed(dask_pr
     assert restart.worker == leak.worker and restart.task_run_id == leak.task_run_id
     assert restart.old_pid == leak.pid and restart.new_pid not in (None, leak.pid)
     assert restart.serving_s > 0 and restart.reason.startswith("leak")
+
+    # -- the same, in an operator's terminal ---------------------------------------------
+    def report(*args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "prefect_gpu_dask", "report", *args]
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    shown = report(flow_run_id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"Task runs measured: {len(after.records)} (1 leak(s))" in shown.stdout
+    [leak_line] = [line for line in shown.stdout.splitlines() if f"leaky-{LEAK_BYTES}" in line]
+    assert " leak " in leak_line and restart.worker_name in shown.stdout and "replaced" in shown.stdout
+    data = json.loads(report(flow_run_id, "--json").stdout)
+    assert [r["task_run_id"] for r in data["records"]] == [r.task_run_id for r in after.records]
+    assert [(r["worker"], r["outcome"]) for r in data["restarts"]] == [(restart.worker, "replaced")]
+    assert data["quarantines"] == []
+    assert report("not-a-uuid").returncode == 2
 
 
 def test_an_async_flow_publishes_each_record_on_its_task_run(dask_processes):
