@@ -17,8 +17,8 @@ import time
 import weakref
 from pathlib import Path
 
+from prefect_gpu_dask.health import HealthReadings
 from prefect_gpu_dask.worker.activity import Instant, Tick
-from prefect_gpu_dask.worker.health import HealthReadings
 from prefect_gpu_dask.worker.probe import AllocatorBytes, GPUIdentity, MemorySample
 
 TOTAL = 16 * 2**30

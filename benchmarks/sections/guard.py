@@ -21,9 +21,9 @@ def bench_guard(samples: int) -> dict[str, Any]:
     """begin()+end() of the guard around an empty task, with the real NVML probe."""
     import asyncio
 
+    from prefect_gpu_dask.health import HealthMonitor
     from prefect_gpu_dask.settings import RunnerSettings
     from prefect_gpu_dask.worker.guard import GPUMemoryGuard
-    from prefect_gpu_dask.worker.health import HealthMonitor
 
     class FakeWorker:
         address, name = "bench", "bench"

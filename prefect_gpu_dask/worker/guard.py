@@ -29,11 +29,11 @@ from typing import Any
 from distributed import WorkerPlugin
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.health import HealthMonitor
 from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
-from prefect_gpu_dask.worker.health import HealthMonitor
 from prefect_gpu_dask.worker.probe import (
     AllocatorBytes,
     MemoryProbe,

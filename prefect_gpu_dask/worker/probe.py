@@ -163,7 +163,7 @@ class NvmlProbe:
 
     def health_reader(self) -> Callable[[], Any]:
         """This GPU's health readings, for ``health.HealthMonitor``."""
-        from prefect_gpu_dask.worker.health import NvmlHealthReader
+        from prefect_gpu_dask.health import NvmlHealthReader
 
         return NvmlHealthReader(self._handle)
 

@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from prefect_gpu_dask.errors import UnhealthyGPUError
+from prefect_gpu_dask.health import HealthMonitor, HealthVerdict
 from prefect_gpu_dask.records import UNHEALTHY_TOPIC, GPUQuarantine
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.scheduler.quarantine import withdraw
-from prefect_gpu_dask.worker.health import HealthMonitor, HealthVerdict
 from prefect_gpu_dask.worker.taskwrap import refused
 
 logger = logging.getLogger(__name__)
