@@ -49,6 +49,43 @@ def worker_device_handle() -> Any:
     return _compat.nvml_worker_handle()
 
 
+def visible_handles() -> list[Any]:
+    """NVML handles of the GPUs this process may use, in ``CUDA_VISIBLE_DEVICES`` order
+    (indices or ``GPU-``/``MIG-`` UUIDs), else all of them."""
+    import pynvml
+
+    if not is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    handles = []
+    for entry in (e.strip() for e in visible.split(",") if e.strip()):
+        if entry == "-1":
+            break
+        if entry.isdigit():
+            handles.append(pynvml.nvmlDeviceGetHandleByIndex(int(entry)))
+        else:
+            handles.append(pynvml.nvmlDeviceGetHandleByUUID(entry))
+    return handles
+
+
+def driver_versions() -> tuple[str | None, int | None]:
+    """The driver's version and the CUDA version it supports (e.g. 13000 for 13.0)."""
+    import pynvml
+
+    driver = _text(pynvml.nvmlSystemGetDriverVersion())
+    get_cuda = (
+        getattr(pynvml, "nvmlSystemGetCudaDriverVersion_v2", None) or pynvml.nvmlSystemGetCudaDriverVersion
+    )
+    return driver, int(get_cuda())
+
+
+def mig_enabled(handle: Any) -> bool | None:
+    modes = _read("nvmlDeviceGetMigMode", handle)
+    return None if modes is None else bool(modes[0])
+
+
 def _read(query: str, handle: Any, *args: Any) -> Any:
     """``pynvml.<query>(handle, *args)``, or None where it is not supported."""
     import pynvml

@@ -184,3 +184,40 @@ def report(flow_run_id: str, as_json: bool) -> None:
             f"Could not read flow run {flow_run_id} from the Prefect API: {exc}"
         ) from None
     click.echo(json.dumps(to_dict(found), indent=2) if as_json else render(found))
+
+
+@main.command()
+@click.option("--address", default=None, help="Ask a cluster (its scheduler's address) instead of this host.")
+@click.option("--tls-ca-file", default=None, help="CA certificate for a tls:// --address.")
+@click.option("--tls-cert", default=None, help="Client certificate for a tls:// --address.")
+@click.option("--tls-key", default=None, help="Client key for a tls:// --address.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+def doctor(
+    address: str | None, tls_ca_file: str | None, tls_cert: str | None, tls_key: str | None, as_json: bool
+) -> None:
+    """Is this host (or the cluster at --address) ready for GPU flows? If not, why, and what to do.
+
+    Checks the NVIDIA driver and CUDA version, each GPU (model, memory, MIG, health),
+    CuPy, dask-cuda and cuDF against the driver's CUDA, this user's host cluster, and the
+    Prefect API and its database. Exit status 0: GPU flows can run; 1: they cannot (each
+    FAIL line says why); 2: bad options.
+
+    \b
+    Examples:
+      prefect-gpu-dask doctor
+      prefect-gpu-dask doctor --json | jq .ready
+      prefect-gpu-dask doctor --address tls://gpu-host:8786 --tls-ca-file ca.pem \\
+          --tls-cert client.pem --tls-key client-key.pem
+    """
+    from prefect_gpu_dask.cli.doctor import diagnose, render
+
+    security = None
+    if any((tls_ca_file, tls_cert, tls_key)):
+        from distributed import Security
+
+        security = Security(
+            tls_ca_file=tls_ca_file, tls_client_cert=tls_cert, tls_client_key=tls_key, require_encryption=True
+        )
+    found = diagnose(address, security)
+    click.echo(json.dumps(found.to_dict(), indent=2) if as_json else render(found))
+    sys.exit(0 if found.ready else 1)

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from prefect_gpu_dask import nvml
+from prefect_gpu_dask import health, nvml
 from prefect_gpu_dask.health import (
     CRITICAL_XIDS,
     WARNING_XIDS,
@@ -19,7 +19,6 @@ from prefect_gpu_dask.health import (
     NvmlHealthReader,
     judge,
 )
-from prefect_gpu_dask import health
 
 UUID = "GPU-6b5a4c3d-0000-1111-2222-333344445555"
 OK = HealthReadings(

@@ -1,0 +1,320 @@
+"""``prefect-gpu-dask doctor``: is this host (or a cluster) ready for GPU flows, and if
+not, why and what to do.
+
+Each check returns ``Finding``s; ``ready`` is the one verdict over them: GPU flows can
+run when nothing failed and some GPU can take ``gpu`` work (a healthy GPU here with CuPy
+and dask-cuda, or a GPU worker on the cluster asked about). Nothing here creates a CUDA
+context or starts a cluster: NVML talks to the driver, the libraries are looked up by
+their installed metadata, and a cluster is only asked what it has.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dask.utils import format_bytes
+
+from prefect_gpu_dask import nvml
+from prefect_gpu_dask.host_cluster import HostCluster, find_host_cluster
+from prefect_gpu_dask.resources import GPU_RESOURCE
+
+OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
+CONNECT_TIMEOUT_S = 3
+# What `gpu`-tagged tasks cost on Prefect's SQLite server (docs/performance.md).
+SQLITE_COST = (
+    "each gpu-tagged task run asks the server for the tag's concurrency slots; on SQLite some "
+    "of those requests fail with 'database is locked' and Prefect's client waits 2 s to retry "
+    "(1,000 gpu-tagged tasks took 2.41x as long as untagged on SQLite, 1.11x on PostgreSQL, "
+    "one H100, 2026-11-24)"
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    area: str  # what was checked: "driver", "GPU 0", "cupy", "Prefect API", ...
+    status: str  # ok | warn | fail | info
+    detail: str
+    hint: str | None = None  # what to do about a warn or a fail
+    gpu_ready: bool = False  # this finding shows a GPU that can take gpu work
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    findings: tuple[Finding, ...]
+    seconds: float
+
+    @property
+    def ready(self) -> bool:
+        """GPU flows can run: nothing failed, and some GPU can take gpu work."""
+        return not any(f.status == FAIL for f in self.findings) and any(f.gpu_ready for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "seconds": round(self.seconds, 3),
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+
+# -- this host's GPUs ----------------------------------------------------------------
+
+
+def _cuda_major(version: int | None) -> int | None:
+    return None if not version else version // 1000
+
+
+def driver_findings() -> tuple[list[Finding], int | None]:
+    """The driver and CUDA versions; the CUDA major the driver supports (None: no driver)."""
+    if not nvml.is_available():
+        return [
+            Finding(
+                "driver",
+                FAIL,
+                "NVML did not load: no NVIDIA driver here (gpu-tagged tasks would run on CPU)",
+                "install the NVIDIA driver, or run GPU flows on a GPU host (or give --address)",
+            )
+        ], None
+    driver, cuda = nvml.driver_versions()
+    major = _cuda_major(cuda)
+    cuda_text = f"{major}.{cuda % 1000 // 10}" if cuda else "unknown"
+    return [Finding("driver", OK, f"NVIDIA driver {driver}, CUDA {cuda_text} (NVML loaded)")], major
+
+
+def gpu_findings() -> list[Finding]:
+    from prefect_gpu_dask.health import HealthMonitor, NvmlHealthReader
+
+    findings = []
+    for index, handle in enumerate(nvml.visible_handles()):
+        name, memory = nvml.device_name(handle), nvml.device_memory(handle)
+        mig = nvml.mig_enabled(handle)
+        size = (
+            f"{format_bytes(memory.used)} of {format_bytes(memory.total)} in use"
+            if memory
+            else "memory unknown"
+        )
+        detail = f"{name} ({nvml.device_uuid(handle)}), {size}" + (", MIG on" if mig else "")
+        try:
+            monitor = HealthMonitor(NvmlHealthReader(handle))
+            verdict = monitor.check()
+            monitor.close()
+        except Exception as exc:  # NVML cannot judge it: say so, the GPU may still work
+            findings.append(
+                Finding(f"GPU {index}", WARN, f"{detail}; health not readable: {exc}", gpu_ready=True)
+            )
+            continue
+        if not verdict.healthy:
+            reasons = "; ".join(verdict.reasons)
+            findings.append(
+                Finding(
+                    f"GPU {index}", FAIL, f"{detail}; unhealthy: {reasons}", "reset the GPU or drain the host"
+                )
+            )
+            continue
+        warnings = "; ".join(verdict.warnings)
+        status = WARN if warnings else OK
+        findings.append(
+            Finding(
+                f"GPU {index}",
+                status,
+                detail + (f"; {warnings}" if warnings else "; healthy"),
+                gpu_ready=True,
+            )
+        )
+    if not findings:
+        findings.append(
+            Finding("GPUs", FAIL, "NVML sees no GPU this process may use", "check CUDA_VISIBLE_DEVICES")
+        )
+    return findings
+
+
+def _installed(*names: str) -> tuple[str, str] | None:
+    """The first of ``names`` installed: (distribution, version)."""
+    for name in names:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _built_for(distribution: str) -> int | None:
+    """The CUDA major a wheel was built for, from its name (cupy-cuda12x, cudf-cu13)."""
+    found = re.search(r"cu(?:da)?(\d{2})", distribution)
+    return int(found.group(1)) if found else None
+
+
+def library_findings(cuda_major: int | None) -> list[Finding]:
+    findings = []
+    for label, names, needed, hint in (
+        (
+            "cupy",
+            ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+            True,
+            "pip install 'prefect-gpu-dask[cuda13]' (or [cuda12])",
+        ),
+        ("dask-cuda", ("dask-cuda",), True, "pip install 'prefect-gpu-dask[cuda13]' (or [cuda12])"),
+        (
+            "cudf",
+            ("cudf-cu13", "cudf-cu12", "cudf"),
+            False,
+            "pip install 'prefect-gpu-dask[cudf13]' for cuDF flows",
+        ),
+    ):
+        found = _installed(*names)
+        if found is None:
+            status = FAIL if needed and cuda_major is not None else INFO
+            what = "not installed" + ("" if needed else " (optional: flows fall back to pandas)")
+            findings.append(Finding(label, status, what, hint))
+            continue
+        distribution, version = found
+        built = _built_for(distribution)
+        if built is not None and cuda_major is not None and built > cuda_major:
+            findings.append(
+                Finding(
+                    label,
+                    FAIL,
+                    f"{distribution} {version} is built for CUDA {built}; "
+                    f"the driver supports CUDA {cuda_major}",
+                    f"install the cuda{cuda_major} build, or update the driver",
+                )
+            )
+        else:
+            spec = importlib.util.find_spec(label.replace("-", "_"))
+            status = OK if spec is not None else FAIL
+            findings.append(
+                Finding(label, status, f"{distribution} {version}" + ("" if spec else ", not importable"))
+            )
+    return findings
+
+
+# -- the Prefect API -----------------------------------------------------------------
+
+
+def prefect_findings() -> list[Finding]:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return [
+            Finding(
+                "Prefect API",
+                WARN,
+                "no PREFECT_API_URL: each flow run starts a temporary SQLite server of its own; "
+                + SQLITE_COST,
+                "for nightly GPU flows run `prefect server start` on PostgreSQL and set PREFECT_API_URL",
+            )
+        ]
+    import httpx
+
+    began = time.perf_counter()
+    try:
+        with httpx.Client(timeout=CONNECT_TIMEOUT_S) as http:
+            http.get(f"{url}/health").raise_for_status()
+            settings = http.get(f"{url}/admin/settings").json()
+    except Exception as exc:
+        return [
+            Finding(
+                "Prefect API",
+                FAIL,
+                f"{url} does not answer: {exc}",
+                "start the server or fix PREFECT_API_URL",
+            )
+        ]
+    took = f"answered in {1000 * (time.perf_counter() - began):.0f} ms"
+    database = (settings.get("server") or {}).get("database") or {}
+    driver = database.get("driver") or ""
+    if "sqlite" in driver or (not driver and not database.get("host")):
+        return [
+            Finding(
+                "Prefect API",
+                WARN,
+                f"{url} {took}; its database is SQLite (the default): " + SQLITE_COST,
+                "configure the server with PostgreSQL (PREFECT_SERVER_DATABASE_CONNECTION_URL)",
+            )
+        ]
+    return [Finding("Prefect API", OK, f"{url} {took}; database PostgreSQL")]
+
+
+# -- clusters ------------------------------------------------------------------------
+
+
+def cluster_findings(address: str, security: Any = None, label: str = "cluster") -> list[Finding]:
+    from distributed import Client
+
+    try:
+        with Client(address, security=security, timeout=CONNECT_TIMEOUT_S, set_as_default=False) as client:
+            info = client.scheduler_info(n_workers=-1)
+    except Exception as exc:
+        return [
+            Finding(label, FAIL, f"{address} does not answer: {exc}", "check the address and --tls-* files")
+        ]
+    workers = info.get("workers", {})
+    tls = "TLS" if address.startswith("tls://") else "no TLS"
+    findings = [Finding(label, OK, f"{address} ({tls}), {len(workers)} worker(s)")]
+    for worker_address, worker in sorted(workers.items(), key=lambda item: str(item[1].get("name"))):
+        resources = worker.get("resources", {})
+        model = next((n[4:] for n in resources if n.startswith("GPU-") and n != "GPU-MEM"), None)
+        slots = resources.get(GPU_RESOURCE, 0)
+        if slots:
+            memory = f", {format_bytes(int(resources['GPU-MEM']))}" if "GPU-MEM" in resources else ""
+            detail = f"{worker_address}: {GPU_RESOURCE}={slots:g}" + (f", {model}{memory}" if model else "")
+            findings.append(Finding(f"worker {worker.get('name')}", OK, detail, gpu_ready=True))
+        else:
+            findings.append(Finding(f"worker {worker.get('name')}", INFO, f"{worker_address}: no GPU slot"))
+    if not any(f.gpu_ready for f in findings):
+        findings.append(
+            Finding(
+                label,
+                FAIL,
+                "no worker offers a GPU slot",
+                "start GPU workers with --resources GPU=1 (dask cuda worker)",
+            )
+        )
+    return findings
+
+
+def host_cluster_findings() -> list[Finding]:
+    try:
+        host: HostCluster | None = find_host_cluster()
+    except PermissionError as exc:
+        return [Finding("host cluster", FAIL, str(exc), "remove the file or directory it names")]
+    if host is None:
+        return [Finding("host cluster", INFO, "none runs (flow runs start their own cluster)")]
+    findings = cluster_findings(host.address, host.security, label="host cluster")
+    # Its GPU workers count for this host; a failure of the host cluster is the host's.
+    return findings
+
+
+def diagnose(address: str | None = None, security: Any = None) -> Diagnosis:
+    began = time.perf_counter()
+    findings: list[Finding] = []
+    if address:
+        findings += cluster_findings(address, security)
+    else:
+        driver, cuda_major = driver_findings()
+        findings += driver
+        if cuda_major is not None:
+            findings += gpu_findings()
+        findings += library_findings(cuda_major)
+        findings += host_cluster_findings()
+    findings += prefect_findings()
+    return Diagnosis(tuple(findings), time.perf_counter() - began)
+
+
+MARK = {OK: "ok  ", WARN: "warn", FAIL: "FAIL", INFO: "info"}
+
+
+def render(diagnosis: Diagnosis) -> str:
+    lines = []
+    for f in diagnosis.findings:
+        lines.append(f"[{MARK[f.status]}] {f.area}: {f.detail}")
+        if f.hint and f.status in (WARN, FAIL):
+            lines.append(f"       -> {f.hint}")
+    verdict = "ready for GPU flows" if diagnosis.ready else "NOT ready for GPU flows"
+    lines.append(f"{verdict} ({diagnosis.seconds:.2f} s)")
+    return "\n".join(lines)
