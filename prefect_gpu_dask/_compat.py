@@ -119,6 +119,25 @@ def worker_resources(worker: Any) -> dict[str, float]:
     return dict(worker.state.total_resources)
 
 
+async def add_worker_resources(dask_worker: Any, resources: dict[str, float]) -> None:
+    """Offer ``resources`` on ``dask_worker`` from now on, on the worker and on the
+    scheduler, keeping the counts of what its running tasks use.
+
+    Public replacement: ``Worker.set_resources``, whose scheduler half
+    (``Scheduler.add_resources``) zeroes those counts: a worker labelled while a ``gpu``
+    task runs there would end with ``GPU`` used at -1, and take two ``gpu`` tasks at once.
+    """
+    state = dask_worker.state
+    for name, amount in resources.items():
+        state.available_resources[name] = (
+            state.available_resources.get(name, 0) + amount - state.total_resources.get(name, 0)
+        )
+        state.total_resources[name] = amount
+    await run_on_scheduler_from_worker(
+        dask_worker, set_worker_resources, worker=dask_worker.contact_address, resources=dict(resources)
+    )
+
+
 def set_worker_resources(dask_scheduler: Any, worker: str, resources: dict[str, float]) -> None:
     """Change what a worker offers, on the scheduler only, keeping its running tasks'
     resources counted (its own state still runs what it holds).

@@ -101,6 +101,7 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
 
     from prefect_gpu_dask import forkserver
     from prefect_gpu_dask.flow.cluster import default_cluster_class, local_cluster_kwargs, start_local_cluster
+    from prefect_gpu_dask.scheduler.metrics import GPUMetrics
     from prefect_gpu_dask.worker.labels import GPULabels
 
     if (running := find_host_cluster()) is not None:
@@ -126,6 +127,7 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
         )
         with Client(cluster, security=security) as client:
             client.register_plugin(GPULabels(), name=GPULabels.name)
+            client.register_plugin(GPUMetrics(), name=GPUMetrics.name)
         host = HostCluster(
             address=cluster.scheduler_address,
             pid=os.getpid(),

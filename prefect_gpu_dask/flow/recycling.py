@@ -49,6 +49,7 @@ from prefect_gpu_dask.records import (
     format_bytes,
 )
 from prefect_gpu_dask.resources import scheduler_identity
+from prefect_gpu_dask.scheduler.metrics import count_restart
 from prefect_gpu_dask.scheduler.recycling import (
     InterruptedTasks,
     blockers,
@@ -325,6 +326,11 @@ class Recycler:
         safe_point_s = None if self._safe_at is None else self._safe_at - requested
         record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s)
         self._restarts.append(record)
+        if not record.lost:
+            try:  # the scheduler's /metrics counts it (scheduler.metrics)
+                self.client.run_on_scheduler(count_restart, record.reason)
+            except Exception as exc:  # e.g. an older prefect-gpu-dask on the scheduler
+                self.logger.debug("Could not count the restart on the scheduler: %r", exc)
         if record.lost:
             self.logger.error(
                 "Restarted %s (%s) -> lost: %s. Its work goes to the other workers; gpu task runs "

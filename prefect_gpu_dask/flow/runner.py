@@ -43,6 +43,7 @@ from prefect_gpu_dask.records import (
     TaskRecord,
 )
 from prefect_gpu_dask.resources import uses_gpu
+from prefect_gpu_dask.scheduler.metrics import GPUMetrics
 from prefect_gpu_dask.settings import (
     GuardScope,
     OnMissingGPU,
@@ -262,6 +263,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self.logger.info("No GPU workers in this cluster: the GPU memory guard is a no-op")
             return
         self._live = reporting.LivePublisher(self.logger)
+        try:  # counts what the guards report, for the scheduler's /metrics
+            client.register_plugin(GPUMetrics(), name=GPUMetrics.name)
+        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the scheduler
+            self.logger.warning("Could not serve GPU metrics on the scheduler: %s", exc)
         # Heard before the guards start: a GPU found sick at setup is reported at once.
         client.subscribe_topic(RECORD_TOPIC, self._on_record)
         client.subscribe_topic(UNHEALTHY_TOPIC, self._on_unhealthy)

@@ -149,6 +149,10 @@ class ActivityWatch:
         self._last_tick = float("-inf")  # monotonic
         self._latest: tuple[float, Tick] | None = None  # (monotonic time, tick) with a power reading
 
+    @property
+    def reader(self) -> ActivityReader:
+        return self._reader
+
     def _fresh(self) -> Tick | None:
         """The latest tick, if it is recent enough to stand for a reading now."""
         latest = self._latest

@@ -34,6 +34,7 @@ from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecor
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
+from prefect_gpu_dask.worker.metrics import serve_gauges
 from prefect_gpu_dask.worker.probe import (
     AllocatorBytes,
     MemoryProbe,
@@ -203,6 +204,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self._sampler = PeakSampler(self.probe)
         reader = getattr(self.probe, "activity_reader", None)
         self._activity = ActivityWatch(reader()) if reader is not None else None
+        serve_gauges(self)
         self._watch_health(worker, self.settings.health_check_s)
         self._health_asked = self.health is not None
 
@@ -237,6 +239,11 @@ class GPUMemoryGuard(WorkerPlugin):
             self.health.close()
 
     # -- around one task ----------------------------------------------------------
+    @property
+    def activity(self) -> ActivityWatch | None:
+        """What reads the GPU's utilisation, power and temperature (None: the probe cannot)."""
+        return self._activity
+
     @property
     def active(self) -> bool:
         return self.probe is not None

@@ -17,6 +17,7 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
+from prefect_gpu_dask._compat import add_worker_resources
 from prefect_gpu_dask.resources import GPU_RESOURCE, MEMORY_RESOURCE, model_resource, model_slug
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.probe import GPUIdentity, worker_probe
@@ -52,5 +53,5 @@ class GPULabels(WorkerPlugin):
             return
         labels = labels_for(worker.state.total_resources, probe.gpu)
         if labels:
-            await worker.set_resources(**labels)
+            await add_worker_resources(worker, labels)
             logger.info("Worker %s advertises %s", worker.address, labels)

@@ -42,6 +42,7 @@ ENTRY = {"__main__": {"cli"}}
 # importing module -> {source module: names it ships to the source's process}
 SHIPPED: dict[str, dict[str, set[str]]] = {
     "flow.runner": {
+        "scheduler.metrics": {"GPUMetrics"},  # the metrics plugin, registered on the scheduler
         "worker.guard": {"GPUMemoryGuard"},  # the guard plugin, registered for every worker
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
     },
@@ -55,6 +56,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.oom_retry": {"oom_retry_condition", "placing"},
     },
     "flow.recycling": {
+        "scheduler.metrics": {"count_restart"},  # through run_on_scheduler
         "scheduler.recycling": {  # through run_on_scheduler, and the lost-worker plugin
             "InterruptedTasks",
             "blockers",
@@ -72,7 +74,10 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
     },
     "flow.resource_wait": {"scheduler.fallback": {"release", "stranded", "fail"}},  # run_on_scheduler
     "worker.quarantine": {"scheduler.quarantine": {"withdraw"}},  # run on the scheduler by the worker
-    "cli.host_cluster": {"worker.labels": {"GPULabels"}},  # registered on the host cluster's workers
+    "cli.host_cluster": {  # registered on the host cluster as it starts
+        "worker.labels": {"GPULabels"},
+        "scheduler.metrics": {"GPUMetrics"},
+    },
 }
 
 
