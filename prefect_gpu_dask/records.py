@@ -87,6 +87,7 @@ class TaskRecord:
     energy_j: float | None = None  # the whole GPU's energy over the task (its share: x gpu_share)
     temperature_peak_c: int | None = None
     throttle_reasons: tuple[str, ...] = ()  # clock slowdowns seen while it ran (sw_power_cap, ...)
+    flow_name: str | None = None  # the flow's name: a bounded label for metrics per flow
 
     def to_event(self) -> dict[str, Any]:
         """Plain data for ``Worker.log_event`` (msgpack-friendly)."""

@@ -6,8 +6,8 @@ tasks waiting for a slot. Counters come from what the workers already send the
 scheduler (each guard's ``TaskRecord`` and each hung task, as Dask worker events) and
 from the restarts it carries out: they live here, not on the workers, because a
 recycled worker's process would take its counters with it, the leak that recycled it
-included. Labels are bounded: worker name, GPU UUID and model, a verdict or a reason
-kind; never a task run.
+included. Labels are bounded: worker name, GPU UUID and model, flow name, a verdict or a
+reason kind; never a flow run or a task run.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class Counts:
         self.verdicts: Counter[tuple[str, str, str]] = Counter()  # (worker, gpu, verdict)
         self.ooms: Counter[tuple[str, str]] = Counter()
         self.hung: Counter[tuple[str, str]] = Counter()  # (worker, gpu: "" where unknown)
-        self.gpu_seconds: Counter[tuple[str, str]] = Counter()
-        self.energy_joules: Counter[tuple[str, str]] = Counter()
+        self.gpu_seconds: Counter[tuple[str, str, str]] = Counter()  # (worker, gpu, flow name)
+        self.energy_joules: Counter[tuple[str, str, str]] = Counter()
         self.restarts: Counter[str] = Counter()  # by reason kind: leak, oom, memory limit, recycle, hung
 
     def record(self, event: dict[str, Any]) -> None:
@@ -45,10 +45,11 @@ class Counts:
         self.verdicts[(*where, str(event.get("verdict")))] += 1
         if event.get("verdict") == "oom":
             self.ooms[where] += 1
-        self.gpu_seconds[where] += float(event.get("gpu_seconds") or 0.0)
+        per_flow = (*where, str(event.get("flow_name") or "unknown"))
+        self.gpu_seconds[per_flow] += float(event.get("gpu_seconds") or 0.0)
         # The whole GPU's energy over the task, times the task's share of the GPU.
         share = event.get("gpu_share") or 1.0
-        self.energy_joules[where] += float(event.get("energy_j") or 0.0) * float(share)
+        self.energy_joules[per_flow] += float(event.get("energy_j") or 0.0) * float(share)
 
     def collect(self) -> Iterator[Any]:
         yield from self._gauges()
@@ -88,13 +89,13 @@ class Counts:
             for labels, count in sorted(self.verdicts.items()):
                 verdicts.add_metric(list(labels), count)
             yield verdicts
-            for name, doc, counts in (
-                ("task_ooms", OOMS_DOC, self.ooms),
-                ("tasks_hung", HUNG_DOC, self.hung),
-                ("gpu_seconds", GPU_SECONDS_DOC, self.gpu_seconds),
-                ("gpu_energy_joules", ENERGY_DOC, self.energy_joules),
+            for name, doc, counts, labels in (
+                ("task_ooms", OOMS_DOC, self.ooms, ["worker", "gpu"]),
+                ("tasks_hung", HUNG_DOC, self.hung, ["worker", "gpu"]),
+                ("gpu_seconds", GPU_SECONDS_DOC, self.gpu_seconds, ["worker", "gpu", "flow"]),
+                ("gpu_energy_joules", ENERGY_DOC, self.energy_joules, ["worker", "gpu", "flow"]),
             ):
-                metric = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["worker", "gpu"])
+                metric = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
                 for labels, value in sorted(counts.items()):
                     metric.add_metric(list(labels), value)
                 yield metric

@@ -346,18 +346,20 @@ def replacement_state(dask_worker: Any) -> dict[str, Any]:
 
 
 def _task_identity() -> dict[str, Any]:
-    from prefect.context import TaskRunContext
+    from prefect.context import FlowRunContext, TaskRunContext
 
     ctx = TaskRunContext.get()
     if ctx is None:
         return dict.fromkeys(("task_run_id", "task_run_name", "task_name", "flow_run_id")) | {"tags": ()}
     run = ctx.task_run
+    flow_ctx = FlowRunContext.get()
     return {
         "task_run_id": str(run.id),
         "task_run_name": run.name,
         "task_name": ctx.task.name,
         "flow_run_id": str(run.flow_run_id) if run.flow_run_id else None,
         "tags": tuple(sorted(run.tags or [])),
+        "flow_name": flow_ctx.flow.name if flow_ctx is not None and flow_ctx.flow is not None else None,
     }
 
 

@@ -43,8 +43,8 @@ def test_scheduler_and_gpu_worker_serve_gpu_metrics_on_their_metrics_endpoints(d
     assert value(cluster, "prefect_gpu_dask_task_verdicts_total", verdict="leak", **where) == 1
     assert value(cluster, "prefect_gpu_dask_task_verdicts_total", verdict="clean", **where) >= 3
     assert value(cluster, "prefect_gpu_dask_worker_restarts_total", reason="leak") == 1
-    assert value(cluster, "prefect_gpu_dask_gpu_energy_joules_total", **where) > 0
-    assert value(cluster, "prefect_gpu_dask_gpu_seconds_total", **where) >= 0
+    assert value(cluster, "prefect_gpu_dask_gpu_energy_joules_total", flow="gpu-leak-demo", **where) > 0
+    assert value(cluster, "prefect_gpu_dask_gpu_seconds_total", flow="gpu-leak-demo", **where) >= 0
     assert value(cluster, "prefect_gpu_dask_gpu_slots", state="offered") == 1
     assert value(cluster, "prefect_gpu_dask_gpu_slots", state="in_use") == 0
     assert value(cluster, "prefect_gpu_dask_gpu_tasks_waiting") == 0
