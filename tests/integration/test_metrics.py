@@ -4,7 +4,10 @@ worker's endpoints, scraped over HTTP after a flow run with a leak, parsed with
 
 from __future__ import annotations
 
+import json
+import re
 import urllib.request
+from pathlib import Path
 
 from distributed import Client
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,12 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.scripted_probe import FakeDeviceProbe, ScriptedActivity
 from tests.ui_helpers import LEAK_BYTES, run_leaking_flow, start_guarded_cluster
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def scrape(port: int) -> dict[str, list]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
+        # A family with nothing to count yet still names itself (HELP and TYPE lines).
+        samples.setdefault(family.name + ("_total" if family.type == "counter" else ""), [])
         for sample in family.samples:
             samples.setdefault(sample.name, []).append(sample)
     return samples
@@ -65,6 +72,11 @@ def test_scheduler_and_gpu_worker_serve_gpu_metrics_on_their_metrics_endpoints(d
     )
     assert value(worker, "prefect_gpu_dask_gpu_quarantined", **labels) == 0
     assert any(name.startswith("dask_worker_") for name in worker)  # Dask's own, still there
+    # The dashboard in docs/ uses only names these endpoints serve.
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "prefect-gpu-dask.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = set(re.findall(r"prefect_gpu_dask_\w+", " ".join(exprs)))
+    assert used and used <= set(cluster) | set(worker), used - set(cluster) - set(worker)
     cpu_port = next(port for name, port in ports.values() if name == "cpu-worker")
     assert not any(name.startswith("prefect_gpu_dask") for name in scrape(cpu_port))
 
