@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one batch (see ../shared/device/README.md):
 # GPU tests, the GPU flows, the benchmark suite. Output goes to $OUT (default ./gpu-out).
-#   PHASES=tests,flows,probes,bench (default: all four)   BENCH_ARGS="--sections cube,scaling"
+#   PHASES=tests,flows,probes,host,bench (default: all five)   BENCH_ARGS="--sections cube,scaling"
 # Carry [".whl"] (../shared/device/make-wheels), and ".pg" (benchmarks/pack_postgres.sh) for
 # the benchmarks' PostgreSQL rounds.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
-PHASES=${PHASES:-tests,flows,probes,bench}
+PHASES=${PHASES:-tests,flows,probes,host,bench}
 mkdir -p "$OUT"
 if [ -d .whl ]; then  # once per machine, again when the wheels change
   wheels=$(ls -l .whl | md5sum | cut -d' ' -f1)
@@ -43,7 +43,7 @@ quiet() {
   python3 -c "import dask, distributed, dask_cuda, prefect, cupy; print('dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__)"
 } > "$OUT/environment.txt" 2>&1
 if [[ $PHASES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s tests/integration/test_gpu.py 2>&1 | quiet > "$OUT/gpu-tests.txt"
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s tests/ 2>&1 | quiet > "$OUT/gpu-tests.txt"
   tail -3 "$OUT/gpu-tests.txt"
 fi
 if [[ $PHASES == *flows* ]]; then
@@ -55,6 +55,17 @@ if [[ $PHASES == *flows* ]]; then
 fi
 if [[ $PHASES == *probes* ]]; then
   timeout 120 python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json" 2>&1 | tee "$OUT/probe-first-use.txt"
+fi
+if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator's commands
+  for flows in 2 4; do
+    timeout 150 python3 benchmarks/shared_gpu_host.py --flows $flows --host-cluster --leak-in-one --tasks 10 \
+      --out "$OUT/shared-gpu-host-$flows-host-cluster-leak.json" 2>&1 | quiet > "$OUT/shared-gpu-host-$flows-host-cluster-leak.txt"
+    tail -22 "$OUT/shared-gpu-host-$flows-host-cluster-leak.txt"
+  done
+  timeout 120 python3 benchmarks/probes/operations.py --gpu 2>&1 | quiet > "$OUT/operations.txt"
+  timeout 150 python3 benchmarks/probes/host_cluster.py --joins 10 --starts 3 --tasks 500 --repeat 3 \
+    --out "$OUT/host-cluster.json" 2>&1 | quiet > "$OUT/host-cluster.txt"
+  tail -8 "$OUT/host-cluster.txt"
 fi
 if [[ $PHASES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 |
