@@ -303,11 +303,16 @@ def worker_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def local_cluster(workers: int, on_gpu: bool) -> Iterator[str]:
-    """Worker processes under nannies in this process, each offering ``GPU=1``."""
+def local_cluster(workers: int, on_gpu: bool, fork: bool = False) -> Iterator[str]:
+    """Worker processes under nannies in this process, each offering ``GPU=1``; spawned,
+    or with ``fork`` forked from a server that imported Prefect and Dask once, as the
+    runner's own local clusters are (``prefect_gpu_dask.forkserver``)."""
     import distributed
 
+    from prefect_gpu_dask.forkserver import worker_processes
+
     os.environ.update(PYTHONPATH=worker_env()["PYTHONPATH"])
+    start_method = worker_processes(on_gpu) if fork else contextlib.nullcontext("spawn")
     common: dict[str, Any] = dict(
         n_workers=workers,
         threads_per_worker=2,
@@ -316,14 +321,15 @@ def local_cluster(workers: int, on_gpu: bool) -> Iterator[str]:
         host="127.0.0.1",
         dashboard_address=None,
     )
-    if on_gpu:
-        from dask_cuda import LocalCUDACluster
+    with start_method:
+        if on_gpu:
+            from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(workers)), **common)
-    else:
-        cluster = distributed.LocalCluster(**common)
-    with cluster:
-        yield cluster.scheduler_address
+            cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(workers)), **common)
+        else:
+            cluster = distributed.LocalCluster(**common)
+        with cluster:
+            yield cluster.scheduler_address
 
 
 class CliCluster:
@@ -365,8 +371,10 @@ class CliCluster:
                 raise RuntimeError(f"dask scheduler gave no address: see {self.logs / 'scheduler.log'}")
             time.sleep(0.1)
 
-    def start_workers(self, address: str, workers: int, on_gpu: bool) -> None:
+    def start_workers(self, address: str, workers: int, on_gpu: bool, fork: bool = False) -> None:
         common = ["--host", "127.0.0.1", "--nthreads", "2", "--resources", "GPU=1", "--no-dashboard"]
+        if fork:  # each worker process forks from a server that imported Prefect and Dask once
+            common += ["--preload-nanny", "prefect_gpu_dask.worker.nanny"]
         if on_gpu:
             # One ``dask cuda worker`` starts a worker per visible GPU (soak-0, soak-1, ...; soak alone).
             env = worker_env() | {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(workers)))}
@@ -390,11 +398,11 @@ class CliCluster:
 
 
 @contextlib.contextmanager
-def cli_cluster(workers: int, on_gpu: bool, logs: Path) -> Iterator[str]:
+def cli_cluster(workers: int, on_gpu: bool, logs: Path, fork: bool = False) -> Iterator[str]:
     cluster = CliCluster(logs)
     try:
         address = cluster.start_scheduler()
-        cluster.start_workers(address, workers, on_gpu)
+        cluster.start_workers(address, workers, on_gpu, fork)
         yield address
     finally:
         cluster.close()
