@@ -15,7 +15,15 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.records import INTERRUPTED, LOST, REPLACED, STARTED_THERE, STARTED_TOPIC, TASK_RUN
+from prefect_gpu_dask.records import (
+    INTERRUPTED,
+    LOST,
+    REPLACED,
+    RESULT_LOST,
+    STARTED_THERE,
+    STARTED_TOPIC,
+    TASK_RUN,
+)
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
@@ -271,6 +279,11 @@ class InterruptedTasks(SchedulerPlugin):
     Which tasks had started there comes from the workers' ``STARTED_TOPIC`` events, in
     the worker's stream ahead of its death; Prefect's API may not know yet, as task run
     states reach it as events, later on a busy server, or never from a killed process.
+
+    A task run that had finished on the dead worker is computed again too, when its result
+    was only there and a client (the flow's future) or a pending task still wants it.
+    Such a task is marked ``RESULT_LOST``: the next worker returns the run's final state
+    instead of running it a second time (``worker.recycling.admit``).
     """
 
     name = "prefect-gpu-dask-interrupted"
@@ -302,6 +315,16 @@ class InterruptedTasks(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key)
             if ts is not None and ts.processing_on is not None:
                 self.running_on[key] = ts.processing_on.address
+        elif start == "memory" and finish == "released":
+            ts = self.scheduler.tasks.get(key)
+            # Only a lost copy releases a result that is still wanted: Dask computes it again.
+            if (
+                ts is not None
+                and (ts.who_wants or ts.waiters)
+                and not ts.who_has
+                and (ts.annotations or {}).get(TASK_RUN)
+            ):
+                ts.annotations = {**(ts.annotations or {}), RESULT_LOST: True}
         elif start == "processing":
             worker = self.running_on.pop(key, None)
             started = key in self.started

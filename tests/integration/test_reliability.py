@@ -214,6 +214,39 @@ def test_the_scheduler_tells_a_started_task_from_a_queued_one_on_a_dead_worker(p
         assert queued.result(timeout=60) == (victim, False)
 
 
+@task(tags=["gpu"])
+def noted_gpu(ledger: str, label: str) -> int:
+    with open(ledger, "a") as fh:
+        fh.write(f"{label} {os.getpid()}\n")
+    return os.getpid()
+
+
+def test_results_lost_with_a_killed_worker_are_not_run_again(procs: DaskProcesses, tmp_path):
+    """The GPU worker is SIGKILLed holding the results of task runs that ended there,
+    whose futures the flow still holds: Dask computes those keys again on the nanny's new
+    worker. Each must come back as its run's final state, its body not run a second time."""
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "1", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    ledger = tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=procs.address))
+    def lost_results():
+        done = [noted_gpu.submit(str(ledger), f"done-{i}") for i in range(3)]
+        [victim] = {f.result() for f in done}
+        os.kill(victim, signal.SIGKILL)
+        later = noted_gpu.submit(str(ledger), "later").result(timeout=120)  # on the new worker
+        again = [f.wrapped_future.result(timeout=60) for f in done]  # what Dask computed again
+        return victim, later, again, [f.state for f in done]
+
+    victim, later, again, states = lost_results()
+    assert later != victim
+    runs = Counter(line.split()[0] for line in ledger.read_text().splitlines())
+    assert runs == {"done-0": 1, "done-1": 1, "done-2": 1, "later": 1}, runs
+    assert all(state.is_completed() for state in again), again
+    assert all(state.is_completed() for state in states), states
+
+
 # -- 3. faults: the scheduler disappears mid-flow -----------------------------------
 
 
