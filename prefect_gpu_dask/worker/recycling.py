@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -35,6 +36,7 @@ RELEASE_WAIT_S = 15.0
 # hear how it ended (its final state travels as an event, late on a busy server).
 LOST_RESULT_WAIT_S = 10.0
 LOST_RESULT_POLL_S = 0.25
+ANNOUNCE_TIMEOUT_S = 30.0  # for the scheduler to answer that it heard a task run start
 # Worker-side states of tasks assigned to this worker that have not started running.
 NOT_STARTED = {"waiting", "ready", "constrained"}
 
@@ -129,12 +131,38 @@ def _marks() -> tuple[Any, dict[str, Any]]:
 def announce_start() -> tuple[str | None, bool]:
     """In a task, before its Prefect engine starts: tell the scheduler this task run is
     starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
-    worker). Returns the worker that died running this task before, if any, and whether
-    that worker had started it (rather than only queued it)."""
+    worker), and wait until it has heard. Returns the worker that died running this task
+    before, if any, and whether that worker had started it (rather than only queued it)."""
     key, marks = _marks()
     if isinstance(key, str):
-        current_worker().log_event(STARTED_TOPIC, {"key": key})
+        _tell_scheduler(current_worker(), key)
     return marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
+
+
+def _tell_scheduler(worker: Any, key: str) -> None:
+    """``STARTED_TOPIC`` for ``key``, over the worker's RPC to the scheduler, answered once
+    the scheduler has handled it: the task run's function never starts before the
+    scheduler knows. On the worker's batched stream the notice would leave with the
+    stream's next batch, which a process killed meanwhile (the task itself, the OOM
+    killer) never sends, and the run would be taken for one that never started."""
+    from distributed.utils import sync
+
+    if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
+        worker.log_event(STARTED_TOPIC, {"key": key})
+        return
+    try:
+        sync(
+            worker.loop,
+            worker.scheduler.log_event,
+            topic=STARTED_TOPIC,
+            msg={"key": key, "worker": worker.address},
+            callback_timeout=ANNOUNCE_TIMEOUT_S,
+        )
+    except Exception as exc:  # the stream still carries it, later
+        logger.warning(
+            "Could not tell the scheduler that %s started (%r): sending it on the stream", key, exc
+        )
+        worker.log_event(STARTED_TOPIC, {"key": key})
 
 
 def result_lost() -> bool:

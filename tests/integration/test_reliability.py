@@ -180,6 +180,28 @@ def test_a_worker_dying_before_the_api_heard_of_the_run_still_crashes_it_once(pr
     assert api_state(task_run_id, lambda s: s.is_final()).is_crashed()
 
 
+def test_a_worker_dying_before_its_stream_reached_the_scheduler_still_crashes_the_run_once(procs, tmp_path):
+    """As above, on a worker whose stream to the scheduler sends once a second: the task
+    run's start must reach the scheduler before its function runs, not with the stream's
+    next batch, which a process killed meanwhile never sends."""
+    address = procs.start_scheduler()
+    procs.start_worker(
+        "gpu-worker", "--nthreads", "2", "--resources", "GPU=1", "--preload", "tests.slow_worker_stream"
+    )
+    procs.wait_for_workers(1)
+    ledger = tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def killed_at_once():
+        doomed = dies_as_it_starts.submit(str(ledger))
+        doomed.wait(timeout=90)
+        return doomed.state, doomed.task_run_id
+
+    state, _ = killed_at_once()
+    assert state.is_crashed(), state
+    assert len(ledger.read_text().splitlines()) == 1, "the task ran again on the replacement"
+
+
 def started_then_killed(ledger: str) -> tuple[str | None, bool]:
     from prefect_gpu_dask.worker.recycling import announce_start
 
