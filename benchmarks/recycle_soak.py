@@ -103,11 +103,11 @@ def scripted_gpu_probe() -> ScriptedGPU:
 
 
 def note_run(ledger: str, label: str) -> None:
-    """One ledger line per execution of a task body: ``task_run_id label pid``."""
+    """One ledger line per execution of a task body: ``task_run_id label pid time``."""
     from prefect.runtime import task_run
 
     with open(ledger, "a") as fh:  # one short append per line: lines from processes do not mix
-        fh.write(f"{task_run.id} {label} {os.getpid()}\n")
+        fh.write(f"{task_run.id} {label} {os.getpid()} {time.time():.3f}\n")
 
 
 def short_gpu_task(ledger: str, label: str) -> int:
@@ -220,6 +220,7 @@ def run_with_timeout(
 
 def restart_row(restart: Any) -> dict[str, Any]:
     keep = ("worker_name", "worker", "new_worker", "old_pid", "new_pid", "outcome", "lost_reason", "reason")
+    keep += ("requested_at",)
     times = ("safe_point_s", "restart_s", "serving_s", "memory_free_s")
     return {k: getattr(restart, k) for k in keep + times}
 
@@ -415,7 +416,16 @@ def ledger_lines(ledger: Path) -> list[tuple[str, str, int]]:
     if not ledger.exists():
         return []
     lines = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [(task_run_id, label, int(pid)) for task_run_id, label, pid in lines]
+    return [(task_run_id, label, int(pid)) for task_run_id, label, pid, *_ in lines]
+
+
+def ledger_times(ledger: Path) -> dict[str, list[float]]:
+    """When each task run's body started, per execution (the ledger's last field)."""
+    times: dict[str, list[float]] = {}
+    for fields in (line.split() for line in ledger.read_text().splitlines() if line.strip()):
+        if len(fields) > 3:
+            times.setdefault(fields[0], []).append(float(fields[3]))
+    return times
 
 
 def attach_pids(rows: list[RunRow], ledger: Path) -> None:
