@@ -103,11 +103,11 @@ def scripted_gpu_probe() -> ScriptedGPU:
 
 
 def note_run(ledger: str, label: str) -> None:
-    """One ledger line per execution of a task body: ``task_run_id label pid``."""
+    """One ledger line per execution of a task body: ``task_run_id label pid time``."""
     from prefect.runtime import task_run
 
     with open(ledger, "a") as fh:  # one short append per line: lines from processes do not mix
-        fh.write(f"{task_run.id} {label} {os.getpid()}\n")
+        fh.write(f"{task_run.id} {label} {os.getpid()} {time.time():.3f}\n")
 
 
 def short_gpu_task(ledger: str, label: str) -> int:
@@ -220,6 +220,7 @@ def run_with_timeout(
 
 def restart_row(restart: Any) -> dict[str, Any]:
     keep = ("worker_name", "worker", "new_worker", "old_pid", "new_pid", "outcome", "lost_reason", "reason")
+    keep += ("requested_at",)
     times = ("safe_point_s", "restart_s", "serving_s", "memory_free_s")
     return {k: getattr(restart, k) for k in keep + times}
 
@@ -303,11 +304,16 @@ def worker_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def local_cluster(workers: int, on_gpu: bool) -> Iterator[str]:
-    """Worker processes under nannies in this process, each offering ``GPU=1``."""
+def local_cluster(workers: int, on_gpu: bool, fork: bool = False) -> Iterator[str]:
+    """Worker processes under nannies in this process, each offering ``GPU=1``; spawned,
+    or with ``fork`` forked from a server that imported Prefect and Dask once, as the
+    runner's own local clusters are (``prefect_gpu_dask.forkserver``)."""
     import distributed
 
+    from prefect_gpu_dask.forkserver import worker_processes
+
     os.environ.update(PYTHONPATH=worker_env()["PYTHONPATH"])
+    start_method = worker_processes(on_gpu) if fork else contextlib.nullcontext("spawn")
     common: dict[str, Any] = dict(
         n_workers=workers,
         threads_per_worker=2,
@@ -316,14 +322,15 @@ def local_cluster(workers: int, on_gpu: bool) -> Iterator[str]:
         host="127.0.0.1",
         dashboard_address=None,
     )
-    if on_gpu:
-        from dask_cuda import LocalCUDACluster
+    with start_method:
+        if on_gpu:
+            from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(workers)), **common)
-    else:
-        cluster = distributed.LocalCluster(**common)
-    with cluster:
-        yield cluster.scheduler_address
+            cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(workers)), **common)
+        else:
+            cluster = distributed.LocalCluster(**common)
+        with cluster:
+            yield cluster.scheduler_address
 
 
 class CliCluster:
@@ -365,8 +372,10 @@ class CliCluster:
                 raise RuntimeError(f"dask scheduler gave no address: see {self.logs / 'scheduler.log'}")
             time.sleep(0.1)
 
-    def start_workers(self, address: str, workers: int, on_gpu: bool) -> None:
+    def start_workers(self, address: str, workers: int, on_gpu: bool, fork: bool = False) -> None:
         common = ["--host", "127.0.0.1", "--nthreads", "2", "--resources", "GPU=1", "--no-dashboard"]
+        if fork:  # each worker process forks from a server that imported Prefect and Dask once
+            common += ["--preload-nanny", "prefect_gpu_dask.worker.nanny"]
         if on_gpu:
             # One ``dask cuda worker`` starts a worker per visible GPU (soak-0, soak-1, ...; soak alone).
             env = worker_env() | {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(workers)))}
@@ -390,11 +399,11 @@ class CliCluster:
 
 
 @contextlib.contextmanager
-def cli_cluster(workers: int, on_gpu: bool, logs: Path) -> Iterator[str]:
+def cli_cluster(workers: int, on_gpu: bool, logs: Path, fork: bool = False) -> Iterator[str]:
     cluster = CliCluster(logs)
     try:
         address = cluster.start_scheduler()
-        cluster.start_workers(address, workers, on_gpu)
+        cluster.start_workers(address, workers, on_gpu, fork)
         yield address
     finally:
         cluster.close()
@@ -407,7 +416,16 @@ def ledger_lines(ledger: Path) -> list[tuple[str, str, int]]:
     if not ledger.exists():
         return []
     lines = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [(task_run_id, label, int(pid)) for task_run_id, label, pid in lines]
+    return [(task_run_id, label, int(pid)) for task_run_id, label, pid, *_ in lines]
+
+
+def ledger_times(ledger: Path) -> dict[str, list[float]]:
+    """When each task run's body started, per execution (the ledger's last field)."""
+    times: dict[str, list[float]] = {}
+    for fields in (line.split() for line in ledger.read_text().splitlines() if line.strip()):
+        if len(fields) > 3:
+            times.setdefault(fields[0], []).append(float(fields[3]))
+    return times
 
 
 def attach_pids(rows: list[RunRow], ledger: Path) -> None:

@@ -79,10 +79,13 @@ def postgres_server() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def prefect_server(database_url: str | None = None, timeout: float = 180) -> Iterator[str]:
-    """``prefect server start`` on 127.0.0.1 (on ``database_url``, else on SQLite in a temp
-    dir, migrated as it starts); yields its API URL once ``/api/health`` answers."""
-    home = Path(tempfile.mkdtemp(prefix="prefect-home-"))
+def prefect_server(
+    database_url: str | None = None, timeout: float = 180, home: Path | None = None
+) -> Iterator[str]:
+    """``prefect server start`` on 127.0.0.1 (on ``database_url``, else on SQLite at
+    ``home / "prefect.db"``, migrated as it starts); yields its API URL once ``/api/health``
+    answers. ``home``: its ``PREFECT_HOME`` (a new temp dir by default), removed when it stops."""
+    home = home if home is not None else Path(tempfile.mkdtemp(prefix="prefect-home-"))
     port = free_port()
     env = {
         **os.environ,
@@ -126,9 +129,9 @@ def prefect_server(database_url: str | None = None, timeout: float = 180) -> Ite
 
 
 @contextlib.contextmanager
-def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
-    """A ``prefect_server`` that this process's flows use, through the settings context;
-    their events and logs reach it before it stops."""
+def using_prefect_server(database_url: str | None = None, home: Path | None = None) -> Iterator[str]:
+    """A ``prefect_server`` (its ``PREFECT_HOME`` at ``home``) that this process's flows
+    use, through the settings context; their events and logs reach it before it stops."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -136,7 +139,7 @@ def using_prefect_server(database_url: str | None = None) -> Iterator[str]:
     # Prefect keys its events worker on the client type, not the API URL: one started for
     # another server would carry this one's events, so each server gets a fresh one.
     EventsWorker.drain_all()
-    with prefect_server(database_url) as api, temporary_settings({PREFECT_API_URL: api}):
+    with prefect_server(database_url, home=home) as api, temporary_settings({PREFECT_API_URL: api}):
         try:
             yield api
         finally:

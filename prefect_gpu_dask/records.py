@@ -25,6 +25,8 @@ STARTED_TOPIC = "prefect-gpu-dask.task-run-started"
 # this task run, and whether it had started it there (not merely queued it).
 INTERRUPTED = "prefect-gpu-dask-worker-died"
 STARTED_THERE = "prefect-gpu-dask-started-on-dead-worker"
+# And: this task run's result was lost with a worker after the run ended (Dask computes it again).
+RESULT_LOST = "prefect-gpu-dask-result-lost"
 # Task annotation the flow sets: this Dask task is a Prefect task run, which must not
 # run twice (a plain Dask task may simply be computed again).
 TASK_RUN = "prefect-gpu-dask-task-run"

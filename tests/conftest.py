@@ -37,6 +37,7 @@ def has_gpu() -> bool:
 # The longest files first, unit tests last: xdist hands out whole files in collection
 # order (--dist loadfile --no-loadscope-reorder), so a long file never starts last.
 LONGEST_FIRST = (
+    "integration/test_fleet_soak.py",
     "integration/test_guard_restarts.py",
     "integration/test_reliability.py",
     "integration/test_shared_cluster.py",

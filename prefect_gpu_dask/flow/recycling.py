@@ -205,6 +205,7 @@ class Recycler:
             self._thread.join(timeout=self.timeout if wait else 5)
         self._closing.set()  # a restart still waiting for its safe point stops here
         self.settle_timed_out(list(self._timed_out))
+        unsubscribe(self.client, HUNG_TOPIC)
 
     # -- hung tasks ---------------------------------------------------------------
     def _on_hung(self, event: tuple[float, dict[str, Any]]) -> None:
@@ -458,6 +459,17 @@ class Recycler:
             requested_at=requested_wall,
             **replacement,
         )
+
+
+def unsubscribe(client: Any, *topics: str) -> None:
+    """Take ``client``'s subscriptions to ``topics`` off the scheduler. A scheduler keeps
+    a client's subscriptions after the client leaves: on a long-lived cluster every flow
+    run would leave its own behind, each one more address every event is sent to."""
+    if client.status != "running":
+        return
+    for topic in topics:
+        with contextlib.suppress(ValueError):  # never subscribed
+            client.unsubscribe_topic(topic)
 
 
 _moved: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -31,7 +31,7 @@ from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
 from prefect_gpu_dask.flow.prefect_api import share_ephemeral_api
-from prefect_gpu_dask.flow.recycling import Recycler
+from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.routing import TagRouter, WorkerOffers
 from prefect_gpu_dask.flow.submission import TaskSubmitter
@@ -398,6 +398,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                     reporting.publish_artifacts(
                         self._flow_run_id, records, restarts, quarantines, self._flow_name, self.logger
                     )
+            if self._guard_on:
+                unsubscribe(self._client, RECORD_TOPIC, UNHEALTHY_TOPIC)
         except Exception:
             self.logger.exception("Could not publish the GPU memory report")
         finally:

@@ -15,7 +15,15 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.records import INTERRUPTED, LOST, REPLACED, STARTED_THERE, STARTED_TOPIC, TASK_RUN
+from prefect_gpu_dask.records import (
+    INTERRUPTED,
+    LOST,
+    REPLACED,
+    RESULT_LOST,
+    STARTED_THERE,
+    STARTED_TOPIC,
+    TASK_RUN,
+)
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
@@ -268,9 +276,17 @@ class InterruptedTasks(SchedulerPlugin):
     the next worker with the task); there ``worker.recycling.announce_start`` sees the mark and the task
     run is refused with a message naming the dead worker.
 
-    Which tasks had started there comes from the workers' ``STARTED_TOPIC`` events, in
-    the worker's stream ahead of its death; Prefect's API may not know yet, as task run
-    states reach it as events, later on a busy server, or never from a killed process.
+    Which tasks had started there comes from the workers' ``STARTED_TOPIC`` events, which
+    the scheduler has handled before a task run's function starts; Prefect's API may not
+    know yet, as task run states reach it as events, later on a busy server, or never from
+    a killed process. A started task is marked by the worker that said it started it,
+    where the scheduler had it processing then: Dask's work stealing moves a queued task
+    to another worker without a transition.
+
+    A task run that had finished on the dead worker is computed again too, when its result
+    was only there and a client (the flow's future) or a pending task still wants it.
+    Such a task is marked ``RESULT_LOST``: the next worker returns the run's final state
+    instead of running it a second time (``worker.recycling.admit``).
     """
 
     name = "prefect-gpu-dask-interrupted"
@@ -278,8 +294,8 @@ class InterruptedTasks(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.scheduler: Any = None
-        self.running_on: dict[Any, str] = {}
-        self.started: set[Any] = set()
+        self.running_on: dict[Any, str] = {}  # where each task went processing
+        self.started: dict[Any, str] = {}  # the worker each task started on
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -289,11 +305,12 @@ class InterruptedTasks(SchedulerPlugin):
         self.started.clear()
 
     def log_event(self, topic: str, msg: Any) -> None:
-        if topic == STARTED_TOPIC and isinstance(msg, dict):
-            key = msg.get("key")
+        if topic == STARTED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
+            key, worker = msg.get("key"), msg.get("worker")
+            ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
             # Only from the worker running it now: not a late event of an earlier attempt.
-            if isinstance(key, str) and self.running_on.get(key) == msg.get("worker"):
-                self.started.add(key)
+            if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
+                self.started[key] = worker
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:
@@ -302,17 +319,27 @@ class InterruptedTasks(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key)
             if ts is not None and ts.processing_on is not None:
                 self.running_on[key] = ts.processing_on.address
-        elif start == "processing":
-            worker = self.running_on.pop(key, None)
-            started = key in self.started
-            self.started.discard(key)
+        elif start == "memory" and finish == "released":
             ts = self.scheduler.tasks.get(key)
-            # remove_worker counts an unexpected death in ts.suspicious before releasing.
+            # Only a lost copy releases a result that is still wanted: Dask computes it again.
             if (
-                finish == "released"
-                and ts is not None
-                and ts.suspicious
-                and worker not in self.scheduler.workers
+                ts is not None
+                and (ts.who_wants or ts.waiters)
+                and not ts.who_has
+                and (ts.annotations or {}).get(TASK_RUN)
             ):
-                marks = {INTERRUPTED: worker, STARTED_THERE: True} if started else {INTERRUPTED: worker}
-                ts.annotations = {**(ts.annotations or {}), **marks}
+                ts.annotations = {**(ts.annotations or {}), RESULT_LOST: True}
+        elif start == "processing":
+            queued_on = self.running_on.pop(key, None)
+            started_on = self.started.pop(key, None)
+            ts = self.scheduler.tasks.get(key)
+            if finish != "released" or ts is None:
+                return
+            if started_on is not None and started_on not in self.scheduler.workers:
+                marks = {INTERRUPTED: started_on, STARTED_THERE: True}
+            # remove_worker counts an unexpected death in ts.suspicious before releasing.
+            elif ts.suspicious and queued_on is not None and queued_on not in self.scheduler.workers:
+                marks = {INTERRUPTED: queued_on}
+            else:
+                return
+            ts.annotations = {**(ts.annotations or {}), **marks}

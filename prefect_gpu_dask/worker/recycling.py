@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from distributed.core import Status
 
 from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import WorkerDiedError
-from prefect_gpu_dask.records import INTERRUPTED, STARTED_THERE, STARTED_TOPIC, TaskRecord
+from prefect_gpu_dask.records import INTERRUPTED, RESULT_LOST, STARTED_THERE, STARTED_TOPIC, TaskRecord
 from prefect_gpu_dask.worker.taskwrap import refused
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 # elsewhere) takes tasks again after this long.
 DRAIN_EXPIRY_S = 120.0
 RELEASE_WAIT_S = 15.0
+# How long a task run whose result was lost with its worker waits for Prefect's API to
+# hear how it ended (its final state travels as an event, late on a busy server).
+LOST_RESULT_WAIT_S = 10.0
+LOST_RESULT_POLL_S = 0.25
+ANNOUNCE_TIMEOUT_S = 30.0  # for the scheduler to answer that it heard a task run start
 # Worker-side states of tasks assigned to this worker that have not started running.
 NOT_STARTED = {"waiting", "ready", "constrained"}
 
@@ -111,21 +117,67 @@ async def wait_for_released_memory(pids: Callable[[], list[int]], timeout_s: flo
     return time.monotonic() - started
 
 
-def announce_start() -> tuple[str | None, bool]:
-    """In a task, before its Prefect engine starts: tell the scheduler this task run is
-    starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
-    worker). Returns the worker that died running this task before, if any, and whether
-    that worker had started it (rather than only queued it)."""
+def _marks() -> tuple[Any, dict[str, Any]]:
+    """The current task's key and the annotations the scheduler sent with it."""
     worker = current_worker()
     try:
         key = worker.get_current_task()
         ts = worker.state.tasks.get(key)
     except (AttributeError, KeyError):  # not in a task (or outside any worker)
-        return None, False
+        return None, {}
+    return key, (ts.annotations or {}) if ts is not None else {}
+
+
+def announce_start() -> tuple[str | None, bool]:
+    """In a task, before its Prefect engine starts: tell the scheduler this task run is
+    starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
+    worker), and wait until it has heard. Returns the worker that died running this task
+    before, if any, and whether that worker had started it (rather than only queued it)."""
+    key, marks = _marks()
     if isinstance(key, str):
-        worker.log_event(STARTED_TOPIC, {"key": key})
-    marks = (ts.annotations or {}) if ts is not None else {}
+        _tell_scheduler(current_worker(), key)
     return marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
+
+
+def _tell_scheduler(worker: Any, key: str) -> None:
+    """``STARTED_TOPIC`` for ``key``, over the worker's RPC to the scheduler, answered once
+    the scheduler has handled it: the task run's function never starts before the
+    scheduler knows. On the worker's batched stream the notice would leave with the
+    stream's next batch, which a process killed meanwhile (the task itself, the OOM
+    killer) never sends, and the run would be taken for one that never started."""
+    from distributed.utils import sync
+
+    if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
+        worker.log_event(STARTED_TOPIC, {"key": key})
+        return
+    try:
+        sync(
+            worker.loop,
+            worker.scheduler.log_event,
+            topic=STARTED_TOPIC,
+            msg={"key": key, "worker": worker.address},
+            callback_timeout=ANNOUNCE_TIMEOUT_S,
+        )
+    except Exception as exc:  # the stream still carries it, later
+        logger.warning(
+            "Could not tell the scheduler that %s started (%r): sending it on the stream", key, exc
+        )
+        worker.log_event(STARTED_TOPIC, {"key": key})
+
+
+def result_lost() -> bool:
+    """Whether this task run ended before, on a worker that died holding its result."""
+    return bool(_marks()[1].get(RESULT_LOST))
+
+
+def _final_state(task_run_state: Callable[[], Any], wait_s: float) -> Any:
+    """The run's state in the API once it is final (waiting up to ``wait_s``), else the last one read."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = task_run_state()
+        if (state is not None and state.is_final()) or time.monotonic() >= deadline:
+            return state
+        time.sleep(LOST_RESULT_POLL_S)
 
 
 def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
@@ -135,15 +187,32 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     Dask sends back every task a dead worker held. One that never started there runs
     now; one whose run already ended (the flow timed it out, then recycled the worker)
     returns that state; one that was running is refused, naming the dead worker, so its
-    side effects do not run twice. ``task_run_state``: the run's state in Prefect's API
-    (None where it has none), asked only for such a task.
+    side effects do not run twice. A run whose result was lost with its worker after it
+    ended returns its final state from the API, once the API has it; where the API never
+    hears how it ended, a ``Crashed`` state saying so (the API is left as it is).
+    ``task_run_state``: the run's state in Prefect's API (None where it has none), asked
+    only for such a task.
     """
     dead, started_there = announce_start()
-    if dead is None:
+    lost = result_lost()
+    if dead is None and not lost:
         return task, None
     state = task_run_state()
     if state is not None and state.is_final():
         return None, state
+    if lost:
+        state = _final_state(task_run_state, LOST_RESULT_WAIT_S)
+        if state is not None and state.is_final():
+            return None, state
+        from prefect.states import Crashed
+
+        return None, Crashed(
+            message=(
+                "The Dask worker holding this task run's result died after the run ended, and "
+                f"Prefect's API did not say how it ended within {LOST_RESULT_WAIT_S:g} s; it was not "
+                "run a second time (that could repeat its side effects). Submit it again to re-run it."
+            )
+        )
     if started_there or (state is not None and state.is_running()):
         return refused(
             task,

@@ -180,6 +180,28 @@ def test_a_worker_dying_before_the_api_heard_of_the_run_still_crashes_it_once(pr
     assert api_state(task_run_id, lambda s: s.is_final()).is_crashed()
 
 
+def test_a_worker_dying_before_its_stream_reached_the_scheduler_still_crashes_the_run_once(procs, tmp_path):
+    """As above, on a worker whose stream to the scheduler sends once a second: the task
+    run's start must reach the scheduler before its function runs, not with the stream's
+    next batch, which a process killed meanwhile never sends."""
+    address = procs.start_scheduler()
+    procs.start_worker(
+        "gpu-worker", "--nthreads", "2", "--resources", "GPU=1", "--preload", "tests.slow_worker_stream"
+    )
+    procs.wait_for_workers(1)
+    ledger = tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address))
+    def killed_at_once():
+        doomed = dies_as_it_starts.submit(str(ledger))
+        doomed.wait(timeout=90)
+        return doomed.state, doomed.task_run_id
+
+    state, _ = killed_at_once()
+    assert state.is_crashed(), state
+    assert len(ledger.read_text().splitlines()) == 1, "the task ran again on the replacement"
+
+
 def started_then_killed(ledger: str) -> tuple[str | None, bool]:
     from prefect_gpu_dask.worker.recycling import announce_start
 
@@ -212,6 +234,39 @@ def test_the_scheduler_tells_a_started_task_from_a_queued_one_on_a_dead_worker(p
         queued = client.submit(queued_behind, 0, resources={"GPU": 1}, pure=False)  # waits for the slot
         assert started.result(timeout=60) == (victim, True)
         assert queued.result(timeout=60) == (victim, False)
+
+
+@task(tags=["gpu"])
+def noted_gpu(ledger: str, label: str) -> int:
+    with open(ledger, "a") as fh:
+        fh.write(f"{label} {os.getpid()}\n")
+    return os.getpid()
+
+
+def test_results_lost_with_a_killed_worker_are_not_run_again(procs: DaskProcesses, tmp_path):
+    """The GPU worker is SIGKILLed holding the results of task runs that ended there,
+    whose futures the flow still holds: Dask computes those keys again on the nanny's new
+    worker. Each must come back as its run's final state, its body not run a second time."""
+    procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "1", "--resources", "GPU=1")
+    procs.wait_for_workers(1)
+    ledger = tmp_path / "ledger"
+
+    @flow(task_runner=GPUDaskTaskRunner(address=procs.address))
+    def lost_results():
+        done = [noted_gpu.submit(str(ledger), f"done-{i}") for i in range(3)]
+        [victim] = {f.result() for f in done}
+        os.kill(victim, signal.SIGKILL)
+        later = noted_gpu.submit(str(ledger), "later").result(timeout=120)  # on the new worker
+        again = [f.wrapped_future.result(timeout=60) for f in done]  # what Dask computed again
+        return victim, later, again, [f.state for f in done]
+
+    victim, later, again, states = lost_results()
+    assert later != victim
+    runs = Counter(line.split()[0] for line in ledger.read_text().splitlines())
+    assert runs == {"done-0": 1, "done-1": 1, "done-2": 1, "later": 1}, runs
+    assert all(state.is_completed() for state in again), again
+    assert all(state.is_completed() for state in states), states
 
 
 # -- 3. faults: the scheduler disappears mid-flow -----------------------------------

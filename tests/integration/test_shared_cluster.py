@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from distributed import Client
 from prefect import flow, task
 from prefect.settings import PREFECT_API_URL
 
@@ -80,3 +81,20 @@ def test_a_recycle_another_flow_run_orders_runs_nothing_of_this_one_twice(dask_p
     runs = Counter(line.split()[0] for line in ledger.read_text().splitlines())
     assert len(runs) == 40 and set(runs.values()) == {1}, [k for k, v in runs.items() if v > 1]
     assert restarts and all(r.outcome == "replaced" for r in restarts), restarts
+
+
+def test_flow_runs_leave_no_event_subscriptions_on_a_long_lived_scheduler(dask_processes):
+    """A scheduler keeps a client's event subscriptions after the client has gone: each
+    flow run's runner takes its own off (its records, its hung tasks, its sick GPUs)."""
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("gpu", "--nthreads", "2", "--resources", "GPU=1")
+    dask_processes.wait_for_workers(1)
+
+    def subscribed(dask_scheduler=None) -> dict[str, int]:
+        topics = dask_scheduler._broker._topics.items()
+        return {name: len(topic.subscribers) for name, topic in topics if name.startswith("prefect-gpu-dask")}
+
+    with Client(dask_processes.address, set_as_default=False) as monitor:
+        keeping(dask_processes.address, "256MiB")  # a leak, a recycle
+        keeping(dask_processes.address, "2GiB")
+        assert set(monitor.run_on_scheduler(subscribed).values()) == {0}, monitor.run_on_scheduler(subscribed)

@@ -1,0 +1,52 @@
+"""A short fleet soak (``benchmarks/fleet_soak.py``): 32 flow runs against one cluster of
+real worker processes, 12 back to back and 20 four at a time, with a leak, an
+out-of-memory error, a hung task and a killed worker among them (each twice), on this
+session's Prefect server.
+
+Every task run ends as injected, none runs twice or is lost, no flow run hangs, and this
+process's threads and open files do not grow after the warm-up.
+"""
+
+from __future__ import annotations
+
+from benchmarks.fleet_soak import FAULTS, fleet, parse_args, soak
+
+ARGS = [
+    "--runs", "12",
+    "--concurrent-runs", "20",
+    "--concurrency", "4",
+    "--fault-every", "4",
+    "--short-tasks", "3",
+    "--warmup", "4",
+    "--sample-every", "16",
+    "--run-timeout", "120",
+    # A process this young is still filling its caches: its RSS is shown, not judged.
+    "--rss-growth-limit", "1.0",
+]  # fmt: skip
+
+
+def test_a_short_fleet_soak_passes_every_check(tmp_path):
+    args = parse_args(ARGS)
+    with fleet(args, tmp_path, server=False) as (address, monitor, database):
+        run, summary, failures = soak(args, address, tmp_path, monitor, database)
+
+    problems = [f"run {r.index} ({r.phase}, {r.fault}): {p}" for r in run.rows for p in r.problems]
+    print("\n".join(problems))  # in full: an assertion's message is cut short
+    assert failures == [], (failures, problems)
+    assert summary["runs_ended"] == 32 and summary["runs_hung"] == 0
+    assert {fault: summary["faults"].get(fault) for fault in FAULTS} == dict.fromkeys(FAULTS, 2), summary
+    assert summary["task_states"] == {
+        "hung TimedOut": 2,
+        "killed Crashed": 2,
+        "leak Completed": 2,
+        "oom Completed": 2,
+        "short Completed": 32 * 3,
+    }
+    # Threads and open files of this (the flow) process, after the warm-up: the sample
+    # after run 12 against the one after run 32, no flow run in flight at either.
+    figures = summary["growth"]["figures"]
+    assert (summary["growth"]["first"], summary["growth"]["last"]) == (12, 32)
+    for name in ("threads", "threads_active", "fds"):
+        assert figures[name]["last"] <= figures[name]["first"] * 1.10, (name, figures[name])
+    assert figures["scheduler_runner_clients"]["last"] == 0
+    assert figures["scheduler_subscribers_ours"]["last"] == 0
