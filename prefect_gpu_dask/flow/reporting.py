@@ -67,6 +67,7 @@ TABLE_COLUMNS = (
     "device_total",
     "oom_library",
     "time",
+    "flow_name",
 )
 TASK_TABLE_DESCRIPTION = "GPU memory of this task run"
 
