@@ -103,7 +103,11 @@ def test_records_and_restarts_read_back_after_the_flow_process_is_killed(dask_pr
 
     # -- the same, in an operator's terminal ---------------------------------------------
     def report(*args: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": prefect_api,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
         command = [sys.executable, "-m", "prefect_gpu_dask", "report", *args]
         return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
