@@ -124,7 +124,9 @@ class TaskRecord:
 
 @dataclass(frozen=True)
 class HungTask:
-    """A task run still running past its ``timeout_seconds``, seen by its worker's watchdog."""
+    """A task run still running past its ``timeout_seconds``, seen by its worker's
+    watchdog; or (``stalled``) one whose thread stayed in one call, using no CPU, while
+    its GPU did no work, for ``timeout_s`` (its flow run's ``stall_s``)."""
 
     task_run_id: str
     task_run_name: str
@@ -135,13 +137,15 @@ class HungTask:
     pid: int
     timeout_s: float
     running_s: float
+    stalled: bool = False
+    fail: bool = True  # end it TimedOut and recycle its worker; False: only say so (on_stall="warn")
 
     def to_event(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> HungTask:
-        return cls(**{f.name: event[f.name] for f in fields(cls)})
+        return cls(**{f.name: event[f.name] for f in fields(cls) if f.name in event})
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ RestartPolicy = Literal["worker", "cluster", "never"]
 ON_MISSING_GPU: tuple[OnMissingGPU, ...] = ("cpu", "error")
 GUARD_SCOPES: tuple[GuardScope, ...] = ("gpu", "all", "off")
 RESTART_POLICIES: tuple[RestartPolicy, ...] = ("worker", "cluster", "never")
+OnStall = Literal["warn", "fail"]
+ON_STALL: tuple[OnStall, ...] = ("warn", "fail")
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -167,6 +169,11 @@ class RunnerSettings:
         host_cluster: with no ``address``, ``cluster``, ``cluster_class`` or
             ``cluster_kwargs``, join this user's host cluster (``prefect-gpu-dask cluster
             start``) where one runs, instead of starting a cluster of the flow run's own.
+        stall_s: a guarded ``gpu`` task whose thread stays in one call, using no CPU,
+            while its GPU does no work (no SM activity, no memory change) this long is
+            stalled (``worker.stall``); None: never.
+        on_stall: ``"warn"`` (a WARNING and a Prefect event) or ``"fail"`` (also ends the
+            task run ``TimedOut`` and recycles its worker, as a hung timeout does).
         settle_s: how long the guard lets the driver settle before confirming a leak.
     """
 
@@ -183,6 +190,8 @@ class RunnerSettings:
     health_check_s: float | None = 30.0
     host_gpu_lock: bool = True
     host_cluster: bool = True
+    stall_s: float | None = None
+    on_stall: OnStall = "warn"
     settle_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -218,6 +227,12 @@ class RunnerSettings:
             raise ValueError(f"host_gpu_lock {self.host_gpu_lock!r} must be True or False")
         if not isinstance(self.host_cluster, bool):
             raise ValueError(f"host_cluster {self.host_cluster!r} must be True or False")
+        stall = self.stall_s
+        if stall is not None and (
+            isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < math.inf
+        ):
+            raise ValueError(f"stall_s {stall!r} must be a number of seconds > 0, or None")
+        _choice("on_stall", self.on_stall, ON_STALL)
         settle = self.settle_s
         if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 60:
             raise ValueError(f"settle_s {settle!r} must be a number of seconds in [0, 60)")

@@ -25,6 +25,7 @@ TOTAL = 16 * 2**30
 LEAKED: list[FakeBlock] = []
 # The runner's memory_probe for tests: workers import it by this path.
 FAKE_PROBE = "tests.scripted_probe:fake_probe"
+SM_FILE_ENV = "FAKE_GPU_SM_FILE"  # a file whose number is the scripted GPU's SM % now
 # A directory where ``<worker name>.json`` holds that worker's GPU health readings
 # (``HealthReadings`` fields); no file: healthy.
 HEALTH_DIR_ENV = "FAKE_GPU_HEALTH_DIR"
@@ -109,6 +110,13 @@ class ScriptedActivity:
         return Tick(now, energy_mj, self.TEMPERATURE_C, self.REASONS, ((now, self.SM_PERCENT),), "process")
 
     def device_utilization(self) -> int:
+        """``SM_PERCENT``, or what ``$FAKE_GPU_SM_FILE`` says when a test writes one."""
+        path = os.environ.get(SM_FILE_ENV)
+        if path:
+            try:
+                return int(Path(path).read_text())
+            except (OSError, ValueError):
+                pass
         return self.SM_PERCENT
 
 

@@ -213,9 +213,27 @@ class Recycler:
         if not self.ours(hung.flow_run_id):
             return
         # Off Dask's event loop: marking the task run is a call to the Prefect API.
+        action = self.time_out if hung.fail else self.stalled
         threading.Thread(
-            target=self._context.copy().run, args=(self.time_out, hung), name="gpu-timeout", daemon=True
+            target=self._context.copy().run, args=(action, hung), name="gpu-timeout", daemon=True
         ).start()
+
+    def stalled(self, hung: HungTask) -> None:
+        """Say that a task run is stalled (``on_stall="warn"``): a WARNING and an event."""
+        from prefect_gpu_dask.flow.reporting import emit_stalled_event
+
+        self.logger.warning(
+            "Task run %r is stalled on worker %s: in one call, with no CPU and no GPU work, for "
+            "%g s (stall_s=%g); it goes on running",
+            hung.task_run_name,
+            hung.worker,
+            hung.running_s,
+            hung.timeout_s,
+        )
+        try:
+            emit_stalled_event(hung)
+        except Exception:
+            self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
 
     def time_out(self, hung: HungTask) -> None:
         """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.
@@ -228,11 +246,24 @@ class Recycler:
         from prefect.client.orchestration import get_client
         from prefect.states import Failed
 
-        message = (
-            f"Task run exceeded timeout of {hung.timeout_s:g} second(s) and was still running "
-            f"{hung.running_s:g} s after its start, blocked outside Python on worker {hung.worker}; "
-            "the worker is recycled"
-        )
+        if hung.stalled:
+            message = (
+                f"Task run stalled: in one call, with no CPU and no GPU work, for {hung.running_s:g} s "
+                f"(stall_s={hung.timeout_s:g}, on_stall='fail') on worker {hung.worker}; "
+                "the worker is recycled"
+            )
+            try:
+                from prefect_gpu_dask.flow.reporting import emit_stalled_event
+
+                emit_stalled_event(hung)
+            except Exception:
+                self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
+        else:
+            message = (
+                f"Task run exceeded timeout of {hung.timeout_s:g} second(s) and was still running "
+                f"{hung.running_s:g} s after its start, blocked outside Python on worker {hung.worker}; "
+                "the worker is recycled"
+            )
         self.logger.error("Task run %r: %s", hung.task_run_name, message)
         state = Failed(name="TimedOut", message=message)
         try:
@@ -241,9 +272,12 @@ class Recycler:
         except Exception:
             self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
         self._timed_out[hung.key] = state
+        why = (
+            f"stalled for {hung.running_s:g} s" if hung.stalled else f"past its {hung.timeout_s:g} s timeout"
+        )
         self.request(
             hung.worker,
-            f"hung: {hung.task_run_name} past its {hung.timeout_s:g} s timeout",
+            f"hung: {hung.task_run_name} {why}",
             stuck=(hung.key,),
             worker_name=hung.worker_name,
         )

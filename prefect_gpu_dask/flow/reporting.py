@@ -24,6 +24,7 @@ from prefect_gpu_dask.records import (
     LEAK,
     VERDICTS,
     GPUQuarantine,
+    HungTask,
     RestartRecord,
     TaskRecord,
     format_bytes,
@@ -35,6 +36,7 @@ RESTARTS_KEY = "gpu-restarts"
 LEAK_EVENT = "prefect-gpu-dask.leak.detected"
 RESTART_EVENT = "prefect-gpu-dask.worker.restarted"
 UNHEALTHY_EVENT = "prefect-gpu-dask.gpu.unhealthy"
+STALLED_EVENT = "prefect-gpu-dask.task-run.stalled"
 TABLE_COLUMNS = (
     "task_run_name",
     "verdict",
@@ -72,7 +74,7 @@ TABLE_COLUMNS = (
 TASK_TABLE_DESCRIPTION = "GPU memory of this task run"
 
 
-Described = TaskRecord | RestartRecord | GPUQuarantine
+Described = TaskRecord | RestartRecord | GPUQuarantine | HungTask
 
 
 def _related(record: Described) -> list[dict[str, str]]:
@@ -118,6 +120,18 @@ def emit_restart_event(restart: RestartRecord) -> None:
 
 def emit_unhealthy_event(quarantine: GPUQuarantine) -> None:
     _emit(UNHEALTHY_EVENT, quarantine, quarantine.to_event())
+
+
+def emit_stalled_event(hung: HungTask) -> None:
+    from prefect.events import emit_event
+
+    resource = {
+        "prefect.resource.id": f"prefect.task-run.{hung.task_run_id}",
+        "prefect.resource.name": hung.task_run_name,
+        "prefect-gpu-dask.worker": hung.worker,
+    }
+    flow_run = [r for r in _related(hung) if r["prefect.resource.role"] == "flow-run"]
+    emit_event(event=STALLED_EVENT, resource=resource, related=flow_run, payload=hung.to_event())
 
 
 def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:

@@ -47,6 +47,7 @@ from prefect_gpu_dask.scheduler.metrics import GPUMetrics
 from prefect_gpu_dask.settings import (
     GuardScope,
     OnMissingGPU,
+    OnStall,
     RestartPolicy,
     RunnerSettings,
     check_connection,
@@ -117,6 +118,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         health_check_s: float | None = 30.0,
         host_gpu_lock: bool = True,
         host_cluster: bool = True,
+        stall_s: float | None = None,
+        on_stall: OnStall = "warn",
     ):
         self.settings = RunnerSettings(
             tag_resources=tag_resources if tag_resources is not None else {},
@@ -132,6 +135,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             health_check_s=health_check_s,
             host_gpu_lock=host_gpu_lock,
             host_cluster=host_cluster,
+            stall_s=stall_s,
+            on_stall=on_stall,
         )
         check_connection(address, security, allow_insecure)
         self.router = TagRouter(self.settings.tag_resources)

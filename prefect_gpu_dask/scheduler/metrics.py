@@ -36,6 +36,7 @@ class Counts:
         self.verdicts: Counter[tuple[str, str, str]] = Counter()  # (worker, gpu, verdict)
         self.ooms: Counter[tuple[str, str]] = Counter()
         self.hung: Counter[tuple[str, str]] = Counter()  # (worker, gpu: "" where unknown)
+        self.stalled: Counter[tuple[str, str]] = Counter()
         self.gpu_seconds: Counter[tuple[str, str, str]] = Counter()  # (worker, gpu, flow name)
         self.energy_joules: Counter[tuple[str, str, str]] = Counter()
         self.restarts: Counter[str] = Counter()  # by reason kind: leak, oom, memory limit, recycle, hung
@@ -92,6 +93,7 @@ class Counts:
             for name, doc, counts, labels in (
                 ("task_ooms", OOMS_DOC, self.ooms, ["worker", "gpu"]),
                 ("tasks_hung", HUNG_DOC, self.hung, ["worker", "gpu"]),
+                ("tasks_stalled", STALLED_DOC, self.stalled, ["worker", "gpu"]),
                 ("gpu_seconds", GPU_SECONDS_DOC, self.gpu_seconds, ["worker", "gpu", "flow"]),
                 ("gpu_energy_joules", ENERGY_DOC, self.energy_joules, ["worker", "gpu", "flow"]),
             ):
@@ -120,6 +122,7 @@ WAITING_DOC = "Tasks waiting for a free GPU slot"
 VERDICTS_DOC = "Guarded task runs by verdict"
 OOMS_DOC = "Task runs that ran out of GPU memory"
 HUNG_DOC = "Task runs stuck past their timeout outside Python"
+STALLED_DOC = "Task runs stalled: in one call, with no CPU and no GPU work, for stall_s"
 GPU_SECONDS_DOC = "Task run seconds times their share of a GPU"
 ENERGY_DOC = "GPU energy over task runs, times their share of the GPU"
 RESTARTS_DOC = "GPU workers restarted, by reason"
@@ -164,4 +167,5 @@ class GPUMetrics(SchedulerPlugin):
                 counts().record(msg)
         elif topic == HUNG_TOPIC:
             with _lock:
-                counts().hung[(str(msg.get("worker_name")), "")] += 1
+                which = counts().stalled if msg.get("stalled") else counts().hung
+                which[(str(msg.get("worker_name")), "")] += 1

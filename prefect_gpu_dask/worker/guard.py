@@ -30,7 +30,16 @@ from distributed import WorkerPlugin
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.health import HealthMonitor
-from prefect_gpu_dask.records import LEAK, LIBRARY, OOM, RECORD_TOPIC, TaskRecord, format_bytes
+from prefect_gpu_dask.records import (
+    HUNG_TOPIC,
+    LEAK,
+    LIBRARY,
+    OOM,
+    RECORD_TOPIC,
+    HungTask,
+    TaskRecord,
+    format_bytes,
+)
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
@@ -45,6 +54,7 @@ from prefect_gpu_dask.worker.probe import (
 )
 from prefect_gpu_dask.worker.quarantine import HealthWatch
 from prefect_gpu_dask.worker.recycling import WorkerRecycling
+from prefect_gpu_dask.worker.stall import StallWatch
 from prefect_gpu_dask.worker.verdict import OutOfMemory, Verdict, out_of_memory, verdict_for
 
 PLUGIN_NAME = "prefect-gpu-dask-guard"
@@ -171,6 +181,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self._sampler: PeakSampler | None = None
         self._activity: ActivityWatch | None = None
         self.health: HealthWatch | None = None
+        self.stalls: StallWatch | None = None
         self._health_asked = False  # a flow run asked for checks this plugin's settings left off
         self._follow_lock: threading.Lock | None = None  # made in setup: the plugin is pickled
         self._read_process: Callable[[], MemorySample] | None = None
@@ -204,6 +215,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self._sampler = PeakSampler(self.probe)
         reader = getattr(self.probe, "activity_reader", None)
         self._activity = ActivityWatch(reader()) if reader is not None else None
+        self.stalls = StallWatch(lambda: self._read_process().judged, self._gpu_busy, self._report_stall)
         serve_gauges(self)
         self._watch_health(worker, self.settings.health_check_s)
         self._health_asked = self.health is not None
@@ -219,6 +231,35 @@ class GPUMemoryGuard(WorkerPlugin):
             return
         self.health = HealthWatch(monitor, worker, self.probe.gpu, interval_s)
         self.health.start()
+
+    def _gpu_busy(self) -> bool:
+        """Whether the GPU does any work now; True where the probe cannot say."""
+        if self._activity is None:
+            return True
+        percent = self._activity.reader.device_utilization()
+        return percent is None or percent > 0
+
+    def _report_stall(self, hung: HungTask) -> None:
+        self.worker.loop.add_callback(self.worker.log_event, HUNG_TOPIC, hung.to_event())
+
+    def watch_for_stall(self, ticket: int, settings: RunnerSettings, identity: dict[str, Any]) -> None:
+        """Watch the task run starting on this thread for a stall (``stall.py``)."""
+        if self.stalls is None or settings.stall_s is None or identity["task_run_id"] is None:
+            return
+        hung = HungTask(
+            task_run_id=identity["task_run_id"],
+            task_run_name=identity["task_run_name"],
+            flow_run_id=identity["flow_run_id"],
+            key=str(self.worker.get_current_task()),
+            worker=self.worker.address,
+            worker_name=str(self.worker.name),
+            pid=os.getpid(),
+            timeout_s=float(settings.stall_s),
+            running_s=float(settings.stall_s),
+            stalled=True,
+            fail=settings.on_stall == "fail",
+        )
+        self.stalls.watch(ticket, settings.stall_s, hung)
 
     def follow(self, settings: RunnerSettings) -> None:
         """What is per GPU, not per flow run, follows the strictest flow run using it:
@@ -460,6 +501,8 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
     if settings is not None:
         guard.follow(settings)
     ticket, before, started = guard.begin()
+    if settings is not None and settings.stall_s is not None:
+        guard.watch_for_stall(ticket, settings, _task_identity())
     oom = None
     try:
         yield
@@ -470,6 +513,8 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
         _clear_frames(exc)
         raise
     finally:
+        if guard.stalls is not None:
+            guard.stalls.unwatch(ticket)
         try:
             identity = _task_identity()
             verdict, peak, duration, activity = guard.end(
