@@ -9,6 +9,7 @@ import re
 import urllib.request
 from pathlib import Path
 
+import pytest
 from distributed import Client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -110,3 +111,42 @@ def test_labelling_a_worker_while_a_gpu_task_runs_keeps_its_slot_counted(dask_pr
         running.result()
         time.sleep(0.2)
         assert client.run_on_scheduler(_gpu_in_use) == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_metrics_are_the_gpus_own():
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    @task(tags=["gpu"])
+    def matmuls(n: int) -> float:
+        import cupy
+
+        x = cupy.random.random((4096, 4096))
+        for _ in range(n):
+            x = x @ x / 4096
+        return float(x.sum())
+
+    @flow(task_runner=GPUDaskTaskRunner())
+    def night() -> dict:
+        [f.result() for f in [matmuls.submit(50) for _ in range(3)]]
+        client = FlowRunContext.get().task_runner.client
+        scheduler = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.http_server.port)
+        [worker] = client.run(lambda dask_worker: dask_worker.http_server.port).values()
+        return {"cluster": scrape(scheduler), "worker": scrape(worker)}
+
+    found = night()
+    for name, samples in sorted({**found["cluster"], **found["worker"]}.items()):
+        for sample in samples if name.startswith("prefect_gpu_dask") else ():
+            print(name, sample.labels, sample.value)
+    worker, cluster = found["worker"], found["cluster"]
+    [total] = worker["prefect_gpu_dask_gpu_memory_total_bytes"]
+    assert total.value > 10 * 2**30 and total.labels["model"].startswith("NVIDIA")
+    assert worker["prefect_gpu_dask_gpu_power_watts"][0].value > 10
+    assert worker["prefect_gpu_dask_gpu_temperature_celsius"][0].value > 0
+    verdicts = sum(s.value for s in cluster["prefect_gpu_dask_task_verdicts_total"])
+    assert verdicts == 3
+    assert sum(s.value for s in cluster["prefect_gpu_dask_gpu_energy_joules_total"]) > 0
+    assert sum(s.value for s in cluster["prefect_gpu_dask_gpu_workers"]) >= 1
