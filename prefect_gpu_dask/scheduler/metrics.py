@@ -32,7 +32,11 @@ class Counts:
     """What the cluster's GPU workers did, by (worker name, GPU UUID)."""
 
     def __init__(self) -> None:
-        self.scheduler: Any = None
+        self.reset(None)
+
+    def reset(self, scheduler: Any) -> None:
+        """Count for ``scheduler`` from zero (a new scheduler is a new scrape target)."""
+        self.scheduler: Any = scheduler
         self.verdicts: Counter[tuple[str, str, str]] = Counter()  # (worker, gpu, verdict)
         self.ooms: Counter[tuple[str, str]] = Counter()
         self.hung: Counter[tuple[str, str]] = Counter()  # (worker, gpu: "" where unknown)
@@ -157,7 +161,11 @@ class GPUMetrics(SchedulerPlugin):
     idempotent = True
 
     async def start(self, scheduler: Any) -> None:
-        counts().scheduler = scheduler
+        # One collector per process, as Dask's own: it serves the latest scheduler
+        # started here (local clusters in one process follow one another).
+        with _lock:
+            if counts().scheduler is not scheduler:
+                counts().reset(scheduler)
 
     def log_event(self, topic: str, msg: Any) -> None:
         if not isinstance(msg, dict):
