@@ -100,7 +100,12 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
     from distributed import Client, Security
 
     from prefect_gpu_dask import forkserver
-    from prefect_gpu_dask.flow.cluster import default_cluster_class, local_cluster_kwargs, start_local_cluster
+    from prefect_gpu_dask.flow.cluster import (
+        default_cluster_class,
+        is_local_cuda_cluster,
+        local_cluster_kwargs,
+        start_local_cluster,
+    )
     from prefect_gpu_dask.scheduler.metrics import GPUMetrics
     from prefect_gpu_dask.worker.labels import GPULabels
 
@@ -108,7 +113,7 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
         raise HostClusterError(f"A host cluster already runs at {running.address} (pid {running.pid})")
     security = Security.temporary()
     cluster_class = default_cluster_class(logger)
-    cuda = cluster_class.__name__ == "LocalCUDACluster"
+    cuda = is_local_cuda_cluster(cluster_class)
     wanted: dict[str, Any] = {"security": security, "dashboard_address": options.dashboard_address}
     if not cuda and options.workers is not None:
         wanted["n_workers"] = options.workers
