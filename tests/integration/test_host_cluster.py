@@ -3,6 +3,7 @@ by the default runner, stopped, killed; only its owner gets in."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
@@ -192,7 +193,9 @@ def test_the_default_runner_joins_the_host_cluster_which_shows_and_outlives_its_
         return held_until.submit(str(go), str(started)).result(), flow_run.id
 
     outcome: dict[str, object] = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=nightly()))
+    # In this test's context: its Prefect settings (the session's API server) go along.
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(lambda: outcome.update(result=nightly()),))
     thread.start()
     try:
         until = time.monotonic() + 120
