@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
+import dask
+from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
@@ -26,6 +29,11 @@ from prefect_gpu_dask.records import (
 )
 
 DONE_STATES = {"memory", "erred", "forgotten", "released"}
+# How long after a SpecCluster's lost-worker timer of a removed worker the plugin looks
+# whether that timer closed the nanny restarting it.
+REOPEN_GRACE_S = 1.0
+
+logger = logging.getLogger(__name__)
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
 
 
@@ -287,6 +295,13 @@ class InterruptedTasks(SchedulerPlugin):
     was only there and a client (the flow's future) or a pending task still wants it.
     Such a task is marked ``RESULT_LOST``: the next worker returns the run's final state
     instead of running it a second time (``worker.recycling.admit``).
+
+    And a dead worker comes back: a ``SpecCluster`` living in the scheduler's process
+    closes the nanny of a worker none of whose name is registered
+    ``distributed.deploy.lost-worker-timeout`` after a removal of that name, even while
+    the nanny is starting a new worker process (``replacements`` says more). Once that
+    time has passed after a removal, a worker closed so is started again through the
+    cluster's ``scale``, as a recycle's restart does.
     """
 
     name = "prefect-gpu-dask-interrupted"
@@ -296,9 +311,33 @@ class InterruptedTasks(SchedulerPlugin):
         self.scheduler: Any = None
         self.running_on: dict[Any, str] = {}  # where each task went processing
         self.started: dict[Any, str] = {}  # the worker each task started on
+        self.names: dict[str, Any] = {}  # worker address -> its name
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        self.names = {address: ws.name for address, ws in scheduler.workers.items()}
+
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        if (ws := scheduler.workers.get(worker)) is not None:
+            self.names[worker] = ws.name
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        name = self.names.pop(worker, None)
+        cluster = _compat.spec_cluster_of(scheduler)
+        if name is None or cluster is None:
+            return
+        delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout")) + REOPEN_GRACE_S
+        asyncio.get_running_loop().call_later(delay, self._reopen, cluster, name)
+
+    @staticmethod
+    def _reopen(cluster: Any, name: Any) -> None:
+        if _closed_by_cluster(cluster, name):
+            logger.warning(
+                "The cluster closed the nanny of worker %r while it started a new worker process: "
+                "starting the worker again",
+                name,
+            )
+            cluster.scale(len(cluster.worker_spec))  # starts every listed worker that is missing
 
     def restart(self, scheduler: Any) -> None:
         self.running_on.clear()  # every task is forgotten

@@ -2,13 +2,15 @@
 
 A ``SpecCluster`` (``LocalCluster``, ``LocalCUDACluster``) closes the nanny of a worker
 that is absent when the lost-worker timer of an earlier removal of its name fires,
-even while that nanny is restarting it. With the timer shortened, every recycle lands
-in that window: the worker must come back all the same. Where a worker truly cannot
+even while that nanny is restarting it. With the timer shortened, every recycle (and
+every crash) lands in that window: the worker must come back all the same. Where a worker truly cannot
 come back (no nanny), the restart says so and the flow run ends instead of waiting.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import dask
@@ -18,6 +20,7 @@ from prefect import flow, task
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, read_flow_run_gpu_report
 from prefect_gpu_dask.records import LOST, REPLACED
+from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 from tests.scripted_probe import FAKE_PROBE, leak
 
 MiB = 2**20
@@ -64,6 +67,31 @@ def test_recycles_keep_every_worker_when_the_cluster_closes_a_restarting_nanny()
             client.wait_for_workers(2, timeout=10)
             names = sorted(str(w["name"]) for w in client.scheduler_info()["workers"].values())
             assert names == ["0", "1"]
+
+
+def test_a_killed_worker_comes_back_when_the_cluster_closes_its_restarting_nanny():
+    """No recycle here: the worker process dies (SIGKILL: a segfault, the OOM killer) and
+    its nanny starts another, slower than the shortened lost-worker timer. The cluster
+    closes that nanny as it did the recycles'; the runner's scheduler plugin starts the
+    worker again."""
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "0.2s"}),
+        LocalCluster(n_workers=1, threads_per_worker=1, resources={"GPU": 1}, processes=True) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(InterruptedTasks(), name=InterruptedTasks.name)  # as every runner does
+        [(address, victim)] = client.run(os.getpid).items()
+        os.kill(victim, signal.SIGKILL)
+
+        def workers() -> dict[str, dict]:
+            return client.scheduler_info(n_workers=-1)["workers"]
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and list(workers()) in ([], [address]):
+            time.sleep(0.2)
+        [(new_address, worker)] = workers().items()
+        assert worker["name"] == 0 and worker["resources"] == {"GPU": 1}
+        assert client.run(os.getpid, workers=[new_address])[new_address] != victim
 
 
 @pytest.mark.timeout(180)

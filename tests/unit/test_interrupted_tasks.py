@@ -13,7 +13,7 @@ A, B = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
 
 
 def scheduler(*workers: str) -> SimpleNamespace:
-    return SimpleNamespace(tasks={}, workers={w: SimpleNamespace(address=w) for w in workers})
+    return SimpleNamespace(tasks={}, workers={w: SimpleNamespace(address=w, name=w) for w in workers})
 
 
 def task(sched: SimpleNamespace, key: str) -> SimpleNamespace:
@@ -43,12 +43,14 @@ def processing(interrupted: InterruptedTasks, ts: SimpleNamespace, worker: str) 
 
 
 def dies(interrupted: InterruptedTasks, worker: str, *tasks: SimpleNamespace) -> None:
-    """What ``Scheduler.remove_worker`` does to the tasks processing on a dead worker."""
+    """What ``Scheduler.remove_worker`` does to the tasks processing on a dead worker (on
+    a scheduler of no ``SpecCluster``: nothing to start again)."""
     del interrupted.scheduler.workers[worker]
     for ts in tasks:
         ts.suspicious += 1
         ts.state, ts.processing_on = "released", None
         interrupted.transition(ts.key, "processing", "released")
+    interrupted.remove_worker(interrupted.scheduler, worker)
 
 
 def test_a_task_started_on_a_dead_worker_is_marked_started_there():
