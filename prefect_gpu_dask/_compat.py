@@ -8,7 +8,10 @@ moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 # -- Prefect ---------------------------------------------------------------------
@@ -38,6 +41,104 @@ def set_future_final_state(future: Any, state: Any) -> None:
 def future_final_state(future: Any) -> Any:
     """The state set by ``set_future_final_state`` (or Prefect's own), else None."""
     return getattr(future, "_final_state", None)
+
+
+_TAG_SLOTS_NEEDED: contextvars.ContextVar[Callable[[list[str]], bool] | None] = contextvars.ContextVar(
+    "prefect_gpu_dask_tag_slots_needed", default=None
+)
+_tag_gate_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def tag_slot_requests_where(needed: Callable[[list[str]], bool]) -> Iterator[None]:
+    """In this context, Prefect's task engine asks the API for slots of its tags'
+    concurrency limits (``tag:<tag>``) only where ``needed(names)`` says so.
+
+    The engine sends that request for every tagged task run, a database write even where
+    no limit of those names exists (the server then updates no row). ``needed`` reads
+    whether a limit exists; where one does, the engine's own request runs unchanged. The
+    tags stay on the task run. Public replacement: an engine option to skip the request
+    for tags without a limit (the engine calls its module-level
+    ``_concurrency``/``_aconcurrency`` for every task run).
+    """
+    _install_tag_slot_gate()
+    token = _TAG_SLOTS_NEEDED.set(needed)
+    try:
+        yield
+    finally:
+        _TAG_SLOTS_NEEDED.reset(token)
+
+
+def wait_for_events_sent(timeout: float) -> bool:
+    """Wait until this process's Prefect events workers have sent every event handed to
+    them (True), or ``timeout`` passes (False).
+
+    A task run's states reach the API as events, sent by a background service; a worker
+    process killed just after a run ended would otherwise take the run's final state with
+    it, and the API would show the run running forever. Public replacement:
+    ``EventsWorker.wait_until_empty`` with a timeout, for running instances only
+    (``EventsWorker.instance()`` starts one; the instances live in the service base's
+    ``_instances``, their queues in ``_queue``).
+    """
+    import time
+
+    from prefect.events.worker import EventsWorker
+
+    deadline = time.monotonic() + timeout
+    for service in list(getattr(EventsWorker, "_instances", {}).values()):
+        pending = getattr(service, "_queue", None)
+        if not isinstance(service, EventsWorker) or pending is None:
+            continue
+        with pending.all_tasks_done:
+            if not pending.all_tasks_done.wait_for(
+                lambda q=pending: q.unfinished_tasks == 0, max(0.0, deadline - time.monotonic())
+            ):
+                return False
+    return True
+
+
+def tag_limit_memory_s() -> float:
+    """How long Prefect's client remembers that a set of tag limits does not exist.
+
+    Public replacement: a client setting for it (it is ``prefect.concurrency.services``'
+    module-level ``TTLCache``).
+    """
+    from prefect.concurrency import services
+
+    cache = getattr(services, "_no_limits_cache", None)
+    return float(getattr(cache, "ttl", 5.0))
+
+
+def _install_tag_slot_gate() -> None:
+    import prefect.task_engine as engine
+
+    with _tag_gate_lock:
+        if getattr(engine._concurrency, "gated", False):
+            return
+        engine_concurrency, engine_aconcurrency = engine._concurrency, engine._aconcurrency
+
+        def skip(names: Any) -> bool:
+            needed = _TAG_SLOTS_NEEDED.get()
+            return needed is not None and not needed(list(names))
+
+        @contextlib.contextmanager
+        def concurrency(names: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+            if names and skip(names):
+                yield
+                return
+            with engine_concurrency(names, *args, **kwargs):
+                yield
+
+        @contextlib.asynccontextmanager
+        async def aconcurrency(names: Any, *args: Any, **kwargs: Any) -> AsyncIterator[None]:
+            if names and skip(names):
+                yield
+                return
+            async with engine_aconcurrency(names, *args, **kwargs):
+                yield
+
+        concurrency.gated = aconcurrency.gated = True  # type: ignore[attr-defined]
+        engine._concurrency, engine._aconcurrency = concurrency, aconcurrency
 
 
 # -- distributed -----------------------------------------------------------------

@@ -129,6 +129,9 @@ def migrated_sqlite(path: Path) -> None:
     shutil.copyfile(template, path)
 
 
+SQLITE_FILES: dict[str, Path] = {}  # API URL -> the SQLite file of a server started here
+
+
 @contextlib.contextmanager
 def prefect_server(database_url: str | None = None, timeout: float = 180) -> Iterator[str]:
     """``prefect server start`` on 127.0.0.1 (on ``database_url``, else on a migrated
@@ -167,8 +170,11 @@ def prefect_server(database_url: str | None = None, timeout: float = 180) -> Ite
                     + (home / "server.log").read_text()[-2000:]
                 )
             time.sleep(0.25)
+        if database_url is None:
+            SQLITE_FILES[url] = home / "prefect.db"
         yield url
     finally:
+        SQLITE_FILES.pop(url, None)
         proc.terminate()  # nothing it holds is kept: a short grace, then kill
         try:
             proc.wait(5)

@@ -1,6 +1,6 @@
 """A Prefect task run on a Dask worker: its settings and API client built once per
 worker process, its screening (a quarantined GPU, a worker that died running it), and
-Prefect's engine.
+Prefect's engine, which asks for tag concurrency slots only where a tag has a limit.
 
 The worker side of ``flow.submission``: what the flow sends once per flow run
 (``payload.Shared``) is unpickled here once per worker process.
@@ -26,6 +26,7 @@ from prefect_gpu_dask.payload import Shared
 from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
 from prefect_gpu_dask.worker.recycling import admit
+from prefect_gpu_dask.worker.tag_limits import TagLimits
 
 _SETTINGS = _compat.context_var(SettingsContext)
 _CLIENTS = _compat.context_var(SyncClientContext)
@@ -33,6 +34,7 @@ _CLIENTS = _compat.context_var(SyncClientContext)
 _worker_cache: OrderedDict[str, Any] = OrderedDict()
 _worker_lock = threading.Lock()
 WORKER_CACHE_SIZE = 256
+FINAL_STATE_SEND_S = 5.0  # at most, on a stalled events connection
 
 
 def _cached(token: str, build: Any) -> Any:
@@ -103,11 +105,16 @@ def _api_state(clients: SyncClientContext, task_run_id: Any) -> Any:
         return None
 
 
+def _tag_limits(shared: Shared, clients: SyncClientContext) -> TagLimits:
+    return _cached(f"tag-limits-{shared.token}", lambda: TagLimits(clients.client))
+
+
 def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
     task = screen(task, _compat.current_task_restrictions(), _health)  # a sick GPU's work goes elsewhere
-    settings, clients = _settings_and_client(context.pop("settings_context"))
+    shared_settings = context.pop("settings_context")
+    settings, clients = _settings_and_client(shared_settings)
     task, final = admit(task, lambda: _api_state(clients, run_kwargs["task_run_id"]))
     if final is not None:  # its worker died after the run ended: the flow gets that state again
         return final
@@ -116,9 +123,17 @@ def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) ->
     settings_reset = _SETTINGS.set(settings)
     clients_reset = _CLIENTS.set(clients)
     try:
-        if task.isasync:
-            return asyncio.run(run_task_async(task=task, context=context, return_type="state", **run_kwargs))
-        return run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+        with _compat.tag_slot_requests_where(_tag_limits(shared_settings, clients).exists):
+            if task.isasync:
+                state = asyncio.run(
+                    run_task_async(task=task, context=context, return_type="state", **run_kwargs)
+                )
+            else:
+                state = run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+        # The run's final state leaves this process before its result does: a worker
+        # killed once the flow has the result must not leave the run "Running" in the API.
+        _compat.wait_for_events_sent(FINAL_STATE_SEND_S)
+        return state
     except WorkerDiedError as exc:
         # The engine has recorded the crash; the flow gets the same state back.
         return Crashed(message=str(exc))
