@@ -141,6 +141,32 @@ def _install_tag_slot_gate() -> None:
         engine._concurrency, engine._aconcurrency = concurrency, aconcurrency
 
 
+def begin_sqlite_write_transactions_immediate() -> bool:
+    """Make the transactions Prefect's API server opens on SQLite for its writes
+    (``session_context(begin_transaction=True)``) begin IMMEDIATE, as Prefect already
+    does for those it opens ``with_for_update``. Returns whether this call changed it.
+
+    A deferred transaction that reads, then writes, fails at once ("database is locked",
+    answered 503) when another connection wrote in between: SQLite cannot wait there.
+    Begun IMMEDIATE it waits on the server's ``busy_timeout`` instead. Public
+    replacement: Prefect's SQLite configuration beginning its write transactions
+    IMMEDIATE (``AioSqliteConfiguration.begin_transaction`` sets DEFERRED unless
+    ``with_for_update``).
+    """
+    from prefect.server.database.configurations import AioSqliteConfiguration
+
+    deferred = AioSqliteConfiguration.begin_transaction
+    if getattr(deferred, "immediate", False):
+        return False
+
+    def begin_transaction(self: Any, session: Any, with_for_update: bool = False) -> Any:
+        return deferred(self, session, with_for_update=True)
+
+    begin_transaction.immediate = True  # type: ignore[attr-defined]
+    AioSqliteConfiguration.begin_transaction = begin_transaction  # type: ignore[method-assign]
+    return True
+
+
 # -- distributed -----------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 ``prefect_gpu_dask/flow/`` runs in the flow process, ``scheduler/`` on the Dask
 scheduler, ``worker/`` in a Dask worker (and its nanny), ``cli/`` in the operator's
-terminal (the ``prefect-gpu-dask`` command, and the host cluster it runs); the modules
+terminal (the ``prefect-gpu-dask`` command, and the host cluster it runs),
+``api_server/`` in Prefect's API server (which loads it as a collection); the modules
 at the top are what more than one of them needs. The rules, over every import in the package (those
 inside functions too; ``if TYPE_CHECKING:`` blocks, which never run, aside):
 
@@ -34,7 +35,7 @@ import prefect_gpu_dask
 
 ROOT = Path(prefect_gpu_dask.__file__).parent
 PACKAGE = "prefect_gpu_dask"
-PROCESSES = ("flow", "scheduler", "worker", "cli")
+PROCESSES = ("flow", "scheduler", "worker", "cli", "api_server")
 # importing folder (None: the top) -> folders it may import besides its own and the top
 CLIENTS = {"cli": {"flow"}}
 ENTRY = {"__main__": {"cli"}}
@@ -96,7 +97,7 @@ def _short(module: str) -> str:
 
 
 def _folder(module: str) -> str | None:
-    """``flow``, ``scheduler``, ``worker`` or ``cli``; None for the top (shared) modules."""
+    """``flow``, ``scheduler``, ``worker``, ``cli`` or ``api_server``; None for the top (shared) modules."""
     first = _short(module).split(".")[0]
     return first if first in PROCESSES else None
 

@@ -1,0 +1,38 @@
+"""On a SQLite database, Prefect's API server begins its write transactions IMMEDIATE.
+
+Prefect's API server imports every ``prefect.collections`` entry point as it starts
+(to register their blocks); this package's is this module, so every server started
+where the package is installed (the embedded one a flow run starts, ``prefect server
+start``) loads it. It changes one thing there: a transaction opened to write begins
+with SQLite's ``BEGIN IMMEDIATE``, taking the write lock first and waiting for it on
+the server's ``busy_timeout``. Prefect's default, ``BEGIN DEFERRED``, fails at once
+when the transaction read before writing and another connection wrote in between; the
+server answers 503 and the client waits 2 s or more before asking again. On the
+embedded server this is what creating a flow run meets while the server records the
+last one's task runs. PostgreSQL servers are not touched.
+
+Reads do not begin a transaction and are not affected: SQLite's write-ahead log lets
+them run beside a writer. ``PREFECT_GPU_DASK_SQLITE_IMMEDIATE=false`` leaves Prefect's
+default in place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from prefect_gpu_dask import _compat
+
+OPT_OUT = "PREFECT_GPU_DASK_SQLITE_IMMEDIATE"
+
+
+def wanted() -> bool:
+    """Not turned off, and in a process that runs Prefect's server (a client imports
+    neither the server's database layer nor anything of it, and needs nothing)."""
+    if os.environ.get(OPT_OUT, "true").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return "prefect.server.database.configurations" in sys.modules
+
+
+if wanted():
+    _compat.begin_sqlite_write_transactions_immediate()
