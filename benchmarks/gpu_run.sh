@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one batch (see ../shared/device/README.md):
 # GPU tests, the GPU flows, the benchmark suite. Output goes to $OUT (default ./gpu-out).
-#   PHASES=tests,flows,probes,host,bench (default: all five)   BENCH_ARGS="--sections cube,scaling"
-# Carry [".whl"] (../shared/device/make-wheels), and ".pg" (benchmarks/pack_postgres.sh) for
-# the benchmarks' PostgreSQL rounds.
+#   PHASES=tests,flows,probes,host,sqlite,bench (default: all six)   BENCH_ARGS="--sections cube,scaling"
+# Carry [".whl"] (../shared/device/make-wheels, plus this project's own wheel,
+# `pip wheel --no-deps -w .whl .`, for its entry points: the code itself runs from the tree),
+# and ".pg" (benchmarks/pack_postgres.sh) for the benchmarks' PostgreSQL rounds.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
-PHASES=${PHASES:-tests,flows,probes,host,bench}
+PHASES=${PHASES:-tests,flows,probes,host,sqlite,bench}
 mkdir -p "$OUT"
 if [ -d .whl ]; then  # once per machine, again when the wheels change
   wheels=$(ls -l .whl | md5sum | cut -d' ' -f1)
@@ -55,6 +56,7 @@ if [[ $PHASES == *flows* ]]; then
 fi
 if [[ $PHASES == *probes* ]]; then
   timeout 120 python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json" 2>&1 | tee "$OUT/probe-first-use.txt"
+  timeout 120 python3 benchmarks/probes/flow_end.py 2>/dev/null | tee "$OUT/probe-flow-end.txt"
 fi
 if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator's commands
   for flows in 2 4; do
@@ -66,6 +68,10 @@ if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator
   timeout 150 python3 benchmarks/probes/host_cluster.py --joins 10 --starts 3 --tasks 500 --repeat 3 \
     --out "$OUT/host-cluster.json" 2>&1 | quiet > "$OUT/host-cluster.txt"
   tail -8 "$OUT/host-cluster.txt"
+fi
+if [[ $PHASES == *sqlite* ]]; then  # the README's default: embedded SQLite server, fresh PREFECT_HOME
+  timeout ${SQLITE_TIMEOUT:-480} python3 benchmarks/sqlite_default.py --out "$OUT/sqlite-default.json" \
+    2>"$OUT/sqlite-default-stderr.txt" | tee "$OUT/sqlite-default.txt" | tail -16
 fi
 if [[ $PHASES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 |
