@@ -4,6 +4,7 @@ through the thread pool and the guarded runner."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,10 +14,10 @@ from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:
-    yield "per_task", [bench_per_task(n, options.gpu) for n in options.tasks]
+    yield "per_task", [bench_per_task(n, options.gpu, options.repeat) for n in options.tasks]
 
 
-def bench_per_task(n: int, gpu: bool) -> dict[str, Any]:
+def bench_per_task(n: int, gpu: bool, repeat: int = 1) -> dict[str, Any]:
     from prefect import flow, task
     from prefect.context import FlowRunContext
     from prefect.task_runners import ThreadPoolTaskRunner
@@ -54,8 +55,17 @@ def bench_per_task(n: int, gpu: bool) -> dict[str, Any]:
         "cluster_class": cuda,
         "cluster_kwargs": {**cluster, **({"resources": {"GPU": 1}} if gpu else {})},
     }
-    out = {"n": n, "threadpool_s": timed(ThreadPoolTaskRunner(max_workers=16))}
-    out["runner_s"] = timed(GPUDaskTaskRunner(cluster_kwargs=cluster, guard="off"))
+    # The thread pool and the runner: ``repeat`` flow runs each, alternating; each figure
+    # their median, every run kept.
+    rounds: dict[str, list[float]] = {"threadpool": [], "runner": []}
+    for _ in range(repeat):
+        rounds["threadpool"].append(timed(ThreadPoolTaskRunner(max_workers=16)))
+        rounds["runner"].append(timed(GPUDaskTaskRunner(cluster_kwargs=cluster, guard="off")))
+    out: dict[str, Any] = {"n": n}
+    for name, values in rounds.items():
+        out[f"{name}_s"] = statistics.median(values)
+        out[f"{name}_runs_s"] = [round(v, 3) for v in values]
+    out["runner_over_threadpool"] = out["runner_s"] / out["threadpool_s"]
     # Tagged tasks cost more anywhere: Prefect's engine asks the API for the tag's
     # concurrency slots before each one. The thread pool pays that too.
     noop_gpu = noop.with_options(tags=["gpu"])
