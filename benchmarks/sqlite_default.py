@@ -276,9 +276,8 @@ def main() -> int:
         result["join"] = join(args.join_runs, gpu, args.slots, marks)
     result["server_log"] = server_log.counts()
 
-    print(
-        f"\n# {result['date']} {result['device']}, {result['cores']} cores; {result['server']}; {result['cluster']}"
-    )
+    head = f"{result['date']} {result['device']}, {result['cores']} cores"
+    print(f"\n# {head}; {result['server']}; {result['cluster']}")
     if "tagged" in result:
         t = result["tagged"]
         print(
@@ -294,16 +293,16 @@ def main() -> int:
             f"{c['inside_task']['p95_over_median']:.2f})"
         )
         if "raw_threads" in c:
-            line += f"; raw threads {c['raw_threads']['median_s']:.3f} s: runner / raw {c['runner_over_raw_threads']:.2f}"
+            raw = c["raw_threads"]["median_s"]
+            line += f"; raw threads {raw:.3f} s: runner / raw {c['runner_over_raw_threads']:.2f}"
         print(line)
     if "join" in result:
         print(f"joining a running cluster, {result['join']['runs']} flow runs (median, p95):")
         for key, value in result["join"].items():
             if isinstance(value, dict):
                 print(f"  {key:32s} {value['median_s']:.3f} s  {value['p95_s']:.3f} s")
-    print(
-        f"server: {result['server_log']['503']} answers 503, {result['server_log']['database_is_locked']} 'database is locked'"
-    )
+    logged = result["server_log"]
+    print(f"server: {logged['503']} answers 503, {logged['database_is_locked']} 'database is locked'")
     slug = result["device"].replace(" ", "-").replace("(", "").replace(")", "").lower()
     out = Path(
         args.out or Path(ROOT) / "benchmarks" / "results" / f"{result['date']}-{slug}-sqlite-default.json"

@@ -171,6 +171,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._flow_run_id: str | None = None
         self._flow_name: str | None = None  # keys the right-sizing history
         self._live: reporting.LivePublisher | None = None
+        # This flow run's records as the subscription delivers them: reading them back with
+        # get_events would fetch every flow run's records the scheduler keeps (up to
+        # distributed.admin.low-level-log-length), a cost that grows with the cluster's age.
+        self._heard: list[TaskRecord] = []
         self._made_cluster = False  # a cluster this runner built closes with the flow
 
     # -- settings round-trip ------------------------------------------------------
@@ -211,12 +215,15 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     @property
     def records(self) -> tuple[TaskRecord, ...]:
-        """The guard's records of this flow run's tasks, as the scheduler keeps them."""
-        if self._client is None or self._flow_run_id is None or not self._guard_on:
+        """The guard's records of this flow run's tasks, in the order the scheduler got them.
+
+        Heard through the runner's subscription, which delivers a task's record before
+        its completion (the worker logs it first, and the client handles its stream in
+        order).
+        """
+        if self._flow_run_id is None or not self._guard_on:
             return ()
-        events = self._client.get_events(RECORD_TOPIC)
-        records = (TaskRecord.from_event(event) for _, event in events)
-        return tuple(r for r in records if r.flow_run_id == self._flow_run_id)
+        return tuple(r for r in self._heard if r.flow_run_id == self._flow_run_id)
 
     @property
     def quarantines(self) -> tuple[GPUQuarantine, ...]:
@@ -365,6 +372,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         record = TaskRecord.from_event(event[1])
         if not self._ours(record.flow_run_id):
             return
+        self._heard.append(record)
         self._live.publish(record)  # the artifact and the leak event, in the flow's context
         if record.restart_reason:
             self._recycler.request(record.worker, record.restart_reason, record)
