@@ -26,12 +26,14 @@ from prefect_gpu_dask import _compat
 OPT_OUT = "PREFECT_GPU_DASK_SQLITE_IMMEDIATE"
 
 
+def turned_off() -> bool:
+    return os.environ.get(OPT_OUT, "true").strip().lower() in ("0", "false", "no", "off")
+
+
 def wanted() -> bool:
     """Not turned off, and in a process that runs Prefect's server (a client imports
     neither the server's database layer nor anything of it, and needs nothing)."""
-    if os.environ.get(OPT_OUT, "true").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return "prefect.server.database.configurations" in sys.modules
+    return not turned_off() and "prefect.server.database.configurations" in sys.modules
 
 
 if wanted():

@@ -26,12 +26,38 @@ from prefect_gpu_dask.resources import GPU_RESOURCE
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 CONNECT_TIMEOUT_S = 3
 # What `gpu`-tagged tasks cost on Prefect's SQLite server (docs/performance.md).
-SQLITE_COST = (
-    "each gpu-tagged task run asks the server for the tag's concurrency slots; on SQLite some "
-    "of those requests fail with 'database is locked' and Prefect's client waits 2 s to retry "
-    "(1,000 gpu-tagged tasks took 2.41x as long as untagged on SQLite, 1.11x on PostgreSQL, "
-    "one H100, 2026-11-24)"
+SQLITE_FIXED = (
+    "gpu-tagged task runs whose tags have no limit do not write to it, and its writes wait "
+    "for the lock instead of failing (prefect-gpu-dask's server plugin: 1,000 gpu-tagged tasks "
+    "took 1.38x as long as untagged, no 503 answers, one H100, 2026-11-24); one writer at a time"
 )
+SQLITE_UNFIXED = (
+    "prefect-gpu-dask's server plugin is off ({why}): writes that meet another one fail with "
+    "'database is locked', answered 503, and Prefect's client waits 2 s or more to retry"
+)
+POSTGRES_HINT = "for a team, or many flows at once: `prefect server start` on PostgreSQL"
+
+
+def sqlite_finding(where: str) -> Finding:
+    """The Prefect API on SQLite: fine for one host while the server plugin is on (as far as
+    this package's entry points and this shell's environment say: the server's is its own)."""
+    from importlib.metadata import entry_points
+
+    from prefect_gpu_dask.api_server.sqlite import OPT_OUT, turned_off
+
+    plugins = {e.value for e in entry_points(group="prefect.collections")}
+    if "prefect_gpu_dask.api_server.sqlite" not in plugins:
+        why = "the package's entry points are not installed: pip install it"
+    elif turned_off():
+        why = f"{OPT_OUT} is set"
+    else:
+        return Finding("Prefect API", OK, f"{where}; its database is SQLite: " + SQLITE_FIXED, POSTGRES_HINT)
+    return Finding(
+        "Prefect API",
+        WARN,
+        f"{where}; its database is SQLite: " + SQLITE_UNFIXED.format(why=why),
+        f"unset {OPT_OUT}, or " + POSTGRES_HINT,
+    )
 
 
 @dataclass(frozen=True)
@@ -200,15 +226,7 @@ def prefect_findings() -> list[Finding]:
 
     url = PREFECT_API_URL.value()
     if not url:
-        return [
-            Finding(
-                "Prefect API",
-                WARN,
-                "no PREFECT_API_URL: each flow run starts a temporary SQLite server of its own; "
-                + SQLITE_COST,
-                "for nightly GPU flows run `prefect server start` on PostgreSQL and set PREFECT_API_URL",
-            )
-        ]
+        return [sqlite_finding("no PREFECT_API_URL: each flow run starts a temporary server of its own")]
     import httpx
 
     began = time.perf_counter()
@@ -229,14 +247,7 @@ def prefect_findings() -> list[Finding]:
     database = (settings.get("server") or {}).get("database") or {}
     driver = database.get("driver") or ""
     if "sqlite" in driver or (not driver and not database.get("host")):
-        return [
-            Finding(
-                "Prefect API",
-                WARN,
-                f"{url} {took}; its database is SQLite (the default): " + SQLITE_COST,
-                "configure the server with PostgreSQL (PREFECT_SERVER_DATABASE_CONNECTION_URL)",
-            )
-        ]
+        return [sqlite_finding(f"{url} {took}")]
     return [Finding("Prefect API", OK, f"{url} {took}; database PostgreSQL")]
 
 

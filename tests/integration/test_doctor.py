@@ -11,14 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from prefect_gpu_dask.api_server.sqlite import OPT_OUT
 from prefect_gpu_dask.cli.doctor import FAIL, OK, WARN, Diagnosis, Finding, _built_for
 from tests.conftest import has_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def doctor(*args: str, api: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def doctor(
+    *args: str, api: str | None = None, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **(extra_env or {}),
+    }
     env.pop("PREFECT_API_URL", None)
     if api:
         env["PREFECT_API_URL"] = api
@@ -35,8 +42,11 @@ def test_a_host_without_a_gpu_is_not_ready_and_is_told_why(prefect_api):
     report = json.loads(doctor("--json", api=prefect_api).stdout)
     assert report["ready"] is False and report["seconds"] < 5
     api = next(f for f in report["findings"] if f["area"] == "Prefect API")
-    assert api["status"] == WARN and "SQLite" in api["detail"] and "2.41x" in api["detail"]
+    assert api["status"] == OK and "SQLite" in api["detail"] and "server plugin" in api["detail"]
     assert api["hint"] and "PostgreSQL" in api["hint"]
+    turned_off = json.loads(doctor("--json", api=prefect_api, extra_env={OPT_OUT: "false"}).stdout)
+    api = next(f for f in turned_off["findings"] if f["area"] == "Prefect API")
+    assert api["status"] == WARN and OPT_OUT in api["detail"] and "503" in api["detail"]
 
 
 def test_a_cluster_with_a_gpu_worker_is_ready_one_without_is_not(dask_processes, prefect_api):

@@ -14,7 +14,8 @@ inside functions too; ``if TYPE_CHECKING:`` blocks, which never run, aside):
 3. A module imports from its own folder and from the top only. A top-level module
    imports nothing from ``flow/``, ``scheduler/`` or ``worker/``.
 4. ``cli/`` is a client of the cluster as the flow is, and starts a cluster as the
-   runner does: it may import ``flow/``. ``__main__`` (``python -m prefect_gpu_dask``)
+   runner does: it may import ``flow/``; its doctor reads the server plugin's switch
+   from ``api_server/``. ``__main__`` (``python -m prefect_gpu_dask``)
    imports the command from ``cli/``.
 5. The one exception is what a process ships to another one to run there: a plugin it
    registers, a function for ``client.run`` / ``run_on_scheduler``, a wrapper that
@@ -37,7 +38,7 @@ ROOT = Path(prefect_gpu_dask.__file__).parent
 PACKAGE = "prefect_gpu_dask"
 PROCESSES = ("flow", "scheduler", "worker", "cli", "api_server")
 # importing folder (None: the top) -> folders it may import besides its own and the top
-CLIENTS = {"cli": {"flow"}}
+CLIENTS = {"cli": {"flow", "api_server"}}
 ENTRY = {"__main__": {"cli"}}
 
 # importing module -> {source module: names it ships to the source's process}
