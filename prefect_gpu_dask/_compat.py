@@ -69,34 +69,6 @@ def tag_slot_requests_where(needed: Callable[[list[str]], bool]) -> Iterator[Non
         _TAG_SLOTS_NEEDED.reset(token)
 
 
-def wait_for_events_sent(timeout: float) -> bool:
-    """Wait until this process's Prefect events workers have sent every event handed to
-    them (True), or ``timeout`` passes (False).
-
-    A task run's states reach the API as events, sent by a background service; a worker
-    process killed just after a run ended would otherwise take the run's final state with
-    it, and the API would show the run running forever. Public replacement:
-    ``EventsWorker.wait_until_empty`` with a timeout, for running instances only
-    (``EventsWorker.instance()`` starts one; the instances live in the service base's
-    ``_instances``, their queues in ``_queue``).
-    """
-    import time
-
-    from prefect.events.worker import EventsWorker
-
-    deadline = time.monotonic() + timeout
-    for service in list(getattr(EventsWorker, "_instances", {}).values()):
-        pending = getattr(service, "_queue", None)
-        if not isinstance(service, EventsWorker) or pending is None:
-            continue
-        with pending.all_tasks_done:
-            if not pending.all_tasks_done.wait_for(
-                lambda q=pending: q.unfinished_tasks == 0, max(0.0, deadline - time.monotonic())
-            ):
-                return False
-    return True
-
-
 def tag_limit_memory_s() -> float:
     """How long Prefect's client remembers that a set of tag limits does not exist.
 

@@ -19,13 +19,16 @@ VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 HUNG_TOPIC = "prefect-gpu-dask-hung"
 UNHEALTHY_TOPIC = "prefect-gpu-dask-unhealthy"
-# Worker event topic, worker -> scheduler: a task run's engine is starting on this worker.
+# Worker event topics, worker -> scheduler: a task run's engine is starting on this
+# worker; and it ended, in which state (type, name, message).
 STARTED_TOPIC = "prefect-gpu-dask.task-run-started"
+ENDED_TOPIC = "prefect-gpu-dask.task-run-ended"
 # Task annotations the scheduler sets for the next worker: the worker that died running
 # this task run, and whether it had started it there (not merely queued it).
 INTERRUPTED = "prefect-gpu-dask-worker-died"
 STARTED_THERE = "prefect-gpu-dask-started-on-dead-worker"
-# And: this task run's result was lost with a worker after the run ended (Dask computes it again).
+# And: this task run's result was lost with a worker after the run ended (Dask computes it
+# again); its value is the run's final state as the worker told the scheduler, where it did.
 RESULT_LOST = "prefect-gpu-dask-result-lost"
 # Task annotation the flow sets: this Dask task is a Prefect task run, which must not
 # run twice (a plain Dask task may simply be computed again).

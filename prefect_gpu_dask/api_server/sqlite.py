@@ -11,6 +11,12 @@ server answers 503 and the client waits 2 s or more before asking again. On the
 embedded server this is what creating a flow run meets while the server records the
 last one's task runs. PostgreSQL servers are not touched.
 
+Prefect's server loads collections while it registers block types at start, which it
+does unless ``PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION`` is off (``prefect-gpu-dask
+doctor`` says so). A session opened on another connection inside such a transaction
+would now wait for that transaction's lock, as it already would inside Prefect's own
+``with_for_update`` ones; the server's paths the tests run open none.
+
 Reads do not begin a transaction and are not affected: SQLite's write-ahead log lets
 them run beside a writer. ``PREFECT_GPU_DASK_SQLITE_IMMEDIATE=false`` leaves Prefect's
 default in place.

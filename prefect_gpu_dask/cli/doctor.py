@@ -38,10 +38,27 @@ SQLITE_UNFIXED = (
 POSTGRES_HINT = "for a team, or many flows at once: `prefect server start` on PostgreSQL"
 
 
-def sqlite_finding(where: str) -> Finding:
-    """The Prefect API on SQLite: fine for one host while the server plugin is on (as far as
-    this package's entry points and this shell's environment say: the server's is its own)."""
+SQLITE_ELSEWHERE = (
+    "its writes wait for the lock instead of failing only where prefect-gpu-dask is installed "
+    "in the server's environment (this shell cannot see it); elsewhere writes that meet another "
+    "one fail with 'database is locked', answered 503, and Prefect's client waits 2 s or more"
+)
+
+
+def sqlite_finding(where: str, started_here: bool = True) -> Finding:
+    """The Prefect API on SQLite: fine for one host while the server plugin is on, as this
+    package's entry points and this shell's environment say for a server started from
+    here; a running server's own environment is not visible from here."""
+    if not started_here:
+        return Finding(
+            "Prefect API",
+            WARN,
+            f"{where}; its database is SQLite: " + SQLITE_ELSEWHERE,
+            "install prefect-gpu-dask in the server's environment; " + POSTGRES_HINT,
+        )
     from importlib.metadata import entry_points
+
+    from prefect.settings import PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION
 
     from prefect_gpu_dask.api_server.sqlite import OPT_OUT, turned_off
 
@@ -50,13 +67,15 @@ def sqlite_finding(where: str) -> Finding:
         why = "the package's entry points are not installed: pip install it"
     elif turned_off():
         why = f"{OPT_OUT} is set"
+    elif not PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION.value():
+        why = "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION is off: Prefect's server then loads no collections"
     else:
         return Finding("Prefect API", OK, f"{where}; its database is SQLite: " + SQLITE_FIXED, POSTGRES_HINT)
     return Finding(
         "Prefect API",
         WARN,
         f"{where}; its database is SQLite: " + SQLITE_UNFIXED.format(why=why),
-        f"unset {OPT_OUT}, or " + POSTGRES_HINT,
+        f"unset {OPT_OUT}; " + POSTGRES_HINT,
     )
 
 
@@ -247,7 +266,7 @@ def prefect_findings() -> list[Finding]:
     database = (settings.get("server") or {}).get("database") or {}
     driver = database.get("driver") or ""
     if "sqlite" in driver or (not driver and not database.get("host")):
-        return [sqlite_finding(f"{url} {took}")]
+        return [sqlite_finding(f"{url} {took}", started_here=False)]
     return [Finding("Prefect API", OK, f"{url} {took}; database PostgreSQL")]
 
 

@@ -19,6 +19,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.records import (
+    ENDED_TOPIC,
     INTERRUPTED,
     LOST,
     REPLACED,
@@ -293,8 +294,10 @@ class InterruptedTasks(SchedulerPlugin):
 
     A task run that had finished on the dead worker is computed again too, when its result
     was only there and a client (the flow's future) or a pending task still wants it.
-    Such a task is marked ``RESULT_LOST``: the next worker returns the run's final state
-    instead of running it a second time (``worker.recycling.admit``).
+    Such a task is marked ``RESULT_LOST``, with the final state its worker told of on
+    ``ENDED_TOPIC`` just before its result: the next worker returns that state instead of
+    running it a second time (``worker.recycling.admit``). So is a run whose worker died
+    after it ended but before its result reached the scheduler.
 
     And a dead worker comes back: a ``SpecCluster`` living in the scheduler's process
     closes the nanny of a worker none of whose name is registered
@@ -311,6 +314,7 @@ class InterruptedTasks(SchedulerPlugin):
         self.scheduler: Any = None
         self.running_on: dict[Any, str] = {}  # where each task went processing
         self.started: dict[Any, str] = {}  # the worker each task started on
+        self.ended: dict[Any, dict[str, Any]] = {}  # how each task run whose result is held ended
         self.names: dict[str, Any] = {}  # worker address -> its name
 
     async def start(self, scheduler: Any) -> None:
@@ -342,6 +346,7 @@ class InterruptedTasks(SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.running_on.clear()  # every task is forgotten
         self.started.clear()
+        self.ended.clear()
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == STARTED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
@@ -350,6 +355,11 @@ class InterruptedTasks(SchedulerPlugin):
             # Only from the worker running it now: not a late event of an earlier attempt.
             if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
                 self.started[key] = worker
+        elif topic == ENDED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
+            key, worker = msg.get("key"), msg.get("worker")
+            ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
+            if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
+                self.ended[key] = {k: msg.get(k) for k in ("type", "name", "message")}
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:
@@ -358,7 +368,8 @@ class InterruptedTasks(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key)
             if ts is not None and ts.processing_on is not None:
                 self.running_on[key] = ts.processing_on.address
-        elif start == "memory" and finish == "released":
+        elif start == "memory" and finish in ("released", "forgotten"):
+            ended = self.ended.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             # Only a lost copy releases a result that is still wanted: Dask computes it again.
             if (
@@ -367,14 +378,17 @@ class InterruptedTasks(SchedulerPlugin):
                 and not ts.who_has
                 and (ts.annotations or {}).get(TASK_RUN)
             ):
-                ts.annotations = {**(ts.annotations or {}), RESULT_LOST: True}
+                ts.annotations = {**(ts.annotations or {}), RESULT_LOST: ended or True}
         elif start == "processing":
             queued_on = self.running_on.pop(key, None)
             started_on = self.started.pop(key, None)
+            ended = self.ended.get(key) if finish == "memory" else self.ended.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             if finish != "released" or ts is None:
                 return
-            if started_on is not None and started_on not in self.scheduler.workers:
+            if ended is not None:  # its worker died after the run ended, before its result arrived
+                marks = {RESULT_LOST: ended}
+            elif started_on is not None and started_on not in self.scheduler.workers:
                 marks = {INTERRUPTED: started_on, STARTED_THERE: True}
             # remove_worker counts an unexpected death in ts.suspicious before releasing.
             elif ts.suspicious and queued_on is not None and queued_on not in self.scheduler.workers:

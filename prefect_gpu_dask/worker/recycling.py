@@ -23,7 +23,14 @@ from distributed.core import Status
 
 from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import WorkerDiedError
-from prefect_gpu_dask.records import INTERRUPTED, RESULT_LOST, STARTED_THERE, STARTED_TOPIC, TaskRecord
+from prefect_gpu_dask.records import (
+    ENDED_TOPIC,
+    INTERRUPTED,
+    RESULT_LOST,
+    STARTED_THERE,
+    STARTED_TOPIC,
+    TaskRecord,
+)
 from prefect_gpu_dask.worker.taskwrap import refused
 
 logger = logging.getLogger(__name__)
@@ -165,9 +172,31 @@ def _tell_scheduler(worker: Any, key: str) -> None:
         worker.log_event(STARTED_TOPIC, {"key": key})
 
 
-def result_lost() -> bool:
-    """Whether this task run ended before, on a worker that died holding its result."""
-    return bool(_marks()[1].get(RESULT_LOST))
+def announce_end(state: Any) -> None:
+    """In a task, once its Prefect engine returned the run's final state and before the
+    result leaves: tell the scheduler how the run ended, on the worker's stream, ahead of
+    the task's own completion (``InterruptedTasks`` keeps it while the result is held).
+    A worker that dies holding the result has then told how the run ended, which Prefect's
+    API hears from events the dying process may not have sent."""
+    key, _ = _marks()
+    worker = current_worker()
+    if not isinstance(key, str) or worker is None or getattr(state, "type", None) is None:
+        return
+    ended = {"key": key, "worker": worker.address, "type": state.type.value, "name": state.name}
+    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message})
+
+
+def result_lost() -> dict[str, Any] | bool:
+    """Whether this task run ended before, on a worker that died holding its result: how
+    it ended, where that worker told the scheduler, else True; False if not."""
+    lost = _marks()[1].get(RESULT_LOST)
+    return lost if isinstance(lost, dict) else bool(lost)
+
+
+def _ended_state(ended: dict[str, Any]) -> Any:
+    from prefect.client.schemas.objects import State, StateType
+
+    return State(type=StateType(ended["type"]), name=ended.get("name"), message=ended.get("message"))
 
 
 def _final_state(task_run_state: Callable[[], Any], wait_s: float) -> Any:
@@ -188,7 +217,8 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     now; one whose run already ended (the flow timed it out, then recycled the worker)
     returns that state; one that was running is refused, naming the dead worker, so its
     side effects do not run twice. A run whose result was lost with its worker after it
-    ended returns its final state from the API, once the API has it; where the API never
+    ended returns the final state that worker told the scheduler of, else the one in the
+    API, once the API has it; where the API never
     hears how it ended, a ``Crashed`` state saying so (the API is left as it is).
     ``task_run_state``: the run's state in Prefect's API (None where it has none), asked
     only for such a task.
@@ -197,6 +227,8 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     lost = result_lost()
     if dead is None and not lost:
         return task, None
+    if isinstance(lost, dict):  # the worker that held the result told how the run ended
+        return None, _ended_state(lost)
     state = task_run_state()
     if state is not None and state.is_final():
         return None, state

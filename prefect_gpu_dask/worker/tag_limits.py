@@ -7,10 +7,10 @@ no row); on a SQLite server it fails at once when another connection wrote since
 began reading, the server answers 503, and the client waits 2 s or more before asking
 again, while every other tagged run of that worker process waits behind it.
 
-``TagLimits`` asks the same question with a read, remembered just as long, so a run
-whose tags have no limit never writes: the tags stay on the run, a limit holds as soon
-as Prefect's own client would see it, and where one exists the engine's request runs
-unchanged.
+``TagLimits`` asks the same question with a read of the limits that exist, remembered
+just as long, so a run whose tags have no limit never writes: the tags stay on the run,
+a limit holds as soon as Prefect's own client would see it, and where one exists the
+engine's request runs unchanged.
 """
 
 from __future__ import annotations
@@ -20,39 +20,37 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prefect.exceptions import ObjectNotFound
-
 from prefect_gpu_dask import _compat
+
+PAGE = 200  # limits read per request
 
 
 class TagLimits:
-    """``exists(names)``: whether any of these limit names exists, read at most once per
-    ``max_age_s`` per set of names (Prefect's own client remembers "none" as long)."""
+    """``exists(names)``: whether a concurrency limit of any of these names exists, from
+    the names of every limit, read at most once per ``max_age_s`` (Prefect's own client
+    remembers "none" as long). Unknown (the API could not be read) counts as existing."""
 
     def __init__(self, client: Any, max_age_s: float | None = None) -> None:
         self._client = client
         self.max_age_s = _compat.tag_limit_memory_s() if max_age_s is None else max_age_s
-        self._known: dict[frozenset[str], tuple[float, bool]] = {}
-        self._lock = threading.Lock()
+        self._names: frozenset[str] | None = None
+        self._read_at = float("-inf")
+        self._lock = threading.Lock()  # one reader at a time; the others wait for its answer
 
     def exists(self, names: Iterable[str]) -> bool:
-        key = frozenset(names)
         with self._lock:
-            read_at, answer = self._known.get(key, (float("-inf"), True))
-        if time.monotonic() - read_at < self.max_age_s:
-            return answer
-        read_at, answer = time.monotonic(), self._read(key)
-        with self._lock:
-            self._known[key] = (read_at, answer)
-        return answer
+            if time.monotonic() - self._read_at >= self.max_age_s:
+                self._names, self._read_at = self._read(), time.monotonic()
+            known = self._names
+        return known is None or not known.isdisjoint(names)
 
-    def _read(self, names: frozenset[str]) -> bool:
-        for name in sorted(names):
-            try:
-                self._client.read_global_concurrency_limit_by_name(name)
-            except ObjectNotFound:
-                continue
-            except Exception:
-                return True  # the API cannot say: the engine's request decides
-            return True  # any limit, active or not: the engine's request runs as ever
-        return False
+    def _read(self) -> frozenset[str] | None:
+        names: list[str] = []
+        try:
+            while True:
+                page = self._client.read_global_concurrency_limits(limit=PAGE, offset=len(names))
+                names += [limit.name for limit in page]
+                if len(page) < PAGE:
+                    return frozenset(names)
+        except Exception:
+            return None  # the engine's request decides

@@ -25,7 +25,7 @@ from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.payload import Shared
 from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
-from prefect_gpu_dask.worker.recycling import admit
+from prefect_gpu_dask.worker.recycling import admit, announce_end
 from prefect_gpu_dask.worker.tag_limits import TagLimits
 
 _SETTINGS = _compat.context_var(SettingsContext)
@@ -34,7 +34,6 @@ _CLIENTS = _compat.context_var(SyncClientContext)
 _worker_cache: OrderedDict[str, Any] = OrderedDict()
 _worker_lock = threading.Lock()
 WORKER_CACHE_SIZE = 256
-FINAL_STATE_SEND_S = 5.0  # at most, on a stalled events connection
 
 
 def _cached(token: str, build: Any) -> Any:
@@ -130,9 +129,7 @@ def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) ->
                 )
             else:
                 state = run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
-        # The run's final state leaves this process before its result does: a worker
-        # killed once the flow has the result must not leave the run "Running" in the API.
-        _compat.wait_for_events_sent(FINAL_STATE_SEND_S)
+        announce_end(state)  # before the result: a worker dying after it still told how it ended
         return state
     except WorkerDiedError as exc:
         # The engine has recorded the crash; the flow gets the same state back.

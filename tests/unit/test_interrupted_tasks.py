@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from prefect_gpu_dask.records import INTERRUPTED, RESULT_LOST, STARTED_THERE, STARTED_TOPIC, TASK_RUN
+from prefect_gpu_dask.records import (
+    ENDED_TOPIC,
+    INTERRUPTED,
+    RESULT_LOST,
+    STARTED_THERE,
+    STARTED_TOPIC,
+    TASK_RUN,
+)
 from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 
 A, B = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
@@ -103,3 +110,43 @@ def test_a_result_lost_with_its_worker_while_still_wanted_is_marked():
     for ts in (wanted, unwanted):
         interrupted.transition(ts.key, "memory", "released")
     assert wanted.annotations.get(RESULT_LOST) and RESULT_LOST not in unwanted.annotations
+
+
+ENDED = {"type": "COMPLETED", "name": "Completed", "message": None}
+
+
+def test_a_lost_result_carries_how_its_run_ended():
+    sched = scheduler(A)
+    interrupted = plugin(sched)
+    ts = task(sched, "t")
+    processing(interrupted, ts, A)
+    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": A})
+    interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": A, **ENDED})
+    ts.state, ts.processing_on = "memory", None
+    interrupted.transition("t", "processing", "memory")
+    ts.who_wants = {"client"}
+    interrupted.transition("t", "memory", "released")  # its only copy died with A
+    assert ts.annotations[RESULT_LOST] == ENDED
+    assert "t" not in interrupted.ended
+
+
+def test_a_run_that_ended_on_a_worker_that_died_before_its_result_arrived_is_not_refused():
+    sched = scheduler(A, B)
+    interrupted = plugin(sched)
+    ts = task(sched, "t")
+    processing(interrupted, ts, B)
+    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": B})
+    interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": B, **ENDED})
+    dies(interrupted, B, ts)
+    assert ts.annotations[RESULT_LOST] == ENDED and INTERRUPTED not in ts.annotations
+
+
+def test_an_end_told_by_another_worker_than_the_one_running_it_is_ignored():
+    sched = scheduler(A, B)
+    interrupted = plugin(sched)
+    ts = task(sched, "t")
+    processing(interrupted, ts, B)
+    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": B})
+    interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": A, **ENDED})
+    dies(interrupted, B, ts)
+    assert RESULT_LOST not in ts.annotations and ts.annotations[INTERRUPTED] == B
