@@ -127,12 +127,12 @@ def begin_sqlite_write_transactions_immediate() -> bool:
     """
     from prefect.server.database.configurations import AioSqliteConfiguration
 
-    deferred = AioSqliteConfiguration.begin_transaction
-    if getattr(deferred, "immediate", False):
+    prefect_begin = AioSqliteConfiguration.begin_transaction
+    if getattr(prefect_begin, "immediate", False):
         return False
 
     def begin_transaction(self: Any, session: Any, with_for_update: bool = False) -> Any:
-        return deferred(self, session, with_for_update=True)
+        return prefect_begin(self, session, with_for_update=True)
 
     begin_transaction.immediate = True  # type: ignore[attr-defined]
     AioSqliteConfiguration.begin_transaction = begin_transaction  # type: ignore[method-assign]

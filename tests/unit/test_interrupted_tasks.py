@@ -130,23 +130,23 @@ def test_a_lost_result_carries_how_its_run_ended():
     assert "t" not in interrupted.ended
 
 
-def test_a_run_that_ended_on_a_worker_that_died_before_its_result_arrived_is_not_refused():
+def ended_then_died(told_by: str) -> SimpleNamespace:
+    """A task run on B, which says it started; ``told_by`` says it ended; B dies."""
     sched = scheduler(A, B)
     interrupted = plugin(sched)
     ts = task(sched, "t")
     processing(interrupted, ts, B)
     interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": B})
-    interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": B, **ENDED})
+    interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": told_by, **ENDED})
     dies(interrupted, B, ts)
+    return ts
+
+
+def test_a_run_that_ended_on_a_worker_that_died_before_its_result_arrived_is_not_refused():
+    ts = ended_then_died(told_by=B)
     assert ts.annotations[RESULT_LOST] == ENDED and INTERRUPTED not in ts.annotations
 
 
 def test_an_end_told_by_another_worker_than_the_one_running_it_is_ignored():
-    sched = scheduler(A, B)
-    interrupted = plugin(sched)
-    ts = task(sched, "t")
-    processing(interrupted, ts, B)
-    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": B})
-    interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": A, **ENDED})
-    dies(interrupted, B, ts)
+    ts = ended_then_died(told_by=A)
     assert RESULT_LOST not in ts.annotations and ts.annotations[INTERRUPTED] == B
