@@ -14,6 +14,11 @@ Three files per GPU, in the user's private directory (``private_dir``): a shared
 exclusive one on ``.mutex`` while a process enters, and ``.room``, which cluster has
 the turn and who waits. The kernel drops a dead process's locks, and a stale ``.room``
 is overwritten by the next process to find the gate free: a crash leaves nothing stuck.
+
+A process keeps its lock on the gate for ``LINGER_S`` after its last ``gpu`` task run
+ends: the next one, often queued on the same slot, then starts without going through
+the mutex and ``.room`` again, unless ``.room`` changed meanwhile (another cluster
+asked to wait). A cluster that had the turn and finds another waiting lets it in first.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from prefect_gpu_dask.private_dir import private_directory
 
 WAITER_STALE_S = 2.0  # a waiter that stopped asking this long ago has gone
 POLL_S = 0.05
+LINGER_S = POLL_S  # a waiting cluster's next look is at most this far off anyway
 
 
 @contextlib.contextmanager
@@ -58,6 +64,9 @@ class HostGPUClaim:
         self._holders = 0
         self._entering = False
         self._changed = threading.Condition()
+        self._room_seen: tuple[int, int, int] | None = None  # ``.room`` as this process left it
+        self._linger_until = 0.0
+        self._lingering: threading.Thread | None = None
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[float]:
@@ -76,7 +85,13 @@ class HostGPUClaim:
             if self._holders:
                 self._holders += 1
                 return 0.0
+            if self._fd is not None and self._room_stamp() == self._room_seen:
+                self._holders = 1  # still ours, and nobody asked to wait since
+                return 0.0
             self._entering = True
+            lingering, self._fd = self._fd, None
+        if lingering is not None:
+            os.close(lingering)  # another cluster asked: enter again, as a newcomer would
         fd = None
         try:
             fd = os.open(self.gate, os.O_RDWR | os.O_CREAT, 0o600)
@@ -94,6 +109,13 @@ class HostGPUClaim:
             self._changed.notify_all()
         return time.monotonic() - started
 
+    def _room_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.room)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
     def _enter(self, fd: int) -> bool:
         """One look at the GPU, under the mutex: enter (a shared lock on the gate), or
         say this cluster waits."""
@@ -107,12 +129,16 @@ class HostGPUClaim:
             except BlockingIOError:
                 empty = False
             others_wait = any(c != self.cluster for c in waiting)
-            if empty or (room.get("cluster") == self.cluster and not others_wait):
+            had_turn = room.get("cluster") == self.cluster
+            if (empty and not (had_turn and others_wait)) or (had_turn and not others_wait):
                 # Every entry holds the mutex: nobody can take the gate between these two.
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 waiting.pop(self.cluster, None)
                 self._write_room(room, {"cluster": self.cluster, "waiting": waiting})
+                self._room_seen = self._room_stamp()
                 return True
+            if empty:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # the waiting cluster's turn comes first
             waiting[self.cluster] = now
             self._write_room(room, {"cluster": room.get("cluster"), "waiting": waiting})
             return False
@@ -135,13 +161,32 @@ class HostGPUClaim:
         with self._changed:
             self._holders -= 1
             if self._holders == 0 and self._fd is not None:
+                self._linger_until = time.monotonic() + LINGER_S
+                if self._lingering is None:
+                    self._lingering = threading.Thread(
+                        target=self._close_when_idle, name="gpu-turn", daemon=True
+                    )
+                    self._lingering.start()
+                self._changed.notify_all()
+
+    def _close_when_idle(self) -> None:
+        """Drop the gate once no task run held it for ``LINGER_S``."""
+        with self._changed:
+            while True:
+                if self._holders or self._fd is None:
+                    self._changed.wait()
+                    continue
+                left = self._linger_until - time.monotonic()
+                if left > 0:
+                    self._changed.wait(left)
+                    continue
                 fd, self._fd = self._fd, None
                 os.close(fd)  # drops the shared lock on the gate
 
     def in_use_elsewhere(self) -> bool:
         """Whether another process runs gpu work on this GPU now (a look, not a wait)."""
         with self._changed:
-            if self._holders:
+            if self._holders or self._fd is not None:  # ours, held or lingering
                 return False
         fd = os.open(self.gate, os.O_RDWR | os.O_CREAT, 0o600)
         try:

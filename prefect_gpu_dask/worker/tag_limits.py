@@ -27,22 +27,42 @@ PAGE = 200  # limits read per request
 
 class TagLimits:
     """``exists(names)``: whether a concurrency limit of any of these names exists, from
-    the names of every limit, read at most once per ``max_age_s`` (Prefect's own client
-    remembers "none" as long). Unknown (the API could not be read) counts as existing."""
+    the names of every limit, never older than ``max_age_s`` (Prefect's own client
+    remembers "none" as long). Unknown (the API could not be read) counts as existing.
+
+    While task runs keep asking, the names are read again in the background once half
+    that age has passed: a read waits on a busy server, and a run asking meanwhile, the
+    next one on a GPU's only slot among them, would wait with it. Only an answer older
+    than ``max_age_s`` is waited for.
+    """
 
     def __init__(self, client: Any, max_age_s: float | None = None) -> None:
         self._client = client
         self.max_age_s = _compat.tag_limit_memory_s() if max_age_s is None else max_age_s
         self._names: frozenset[str] | None = None
-        self._read_at = float("-inf")
+        self._read_at = float("-inf")  # when the read behind ``_names`` began
         self._lock = threading.Lock()  # one reader at a time; the others wait for its answer
+        self._refreshing = False
 
     def exists(self, names: Iterable[str]) -> bool:
         with self._lock:
-            if time.monotonic() - self._read_at >= self.max_age_s:
-                self._names, self._read_at = self._read(), time.monotonic()
+            age = time.monotonic() - self._read_at
+            if age >= self.max_age_s:
+                started = time.monotonic()
+                self._names, self._read_at = self._read(), started
+            elif age >= self.max_age_s / 2 and not self._refreshing:
+                self._refreshing = True
+                threading.Thread(target=self._refresh, name="tag-limits", daemon=True).start()
             known = self._names
         return known is None or not known.isdisjoint(names)
+
+    def _refresh(self) -> None:
+        started = time.monotonic()
+        names = self._read()
+        with self._lock:
+            if started > self._read_at:  # a waiting reader may have been quicker
+                self._names, self._read_at = names, started
+            self._refreshing = False
 
     def _read(self) -> frozenset[str] | None:
         names: list[str] = []

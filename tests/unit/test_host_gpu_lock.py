@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_dask.private_dir import DIRECTORY_ENV, SharedDirectoryError, private_directory
-from prefect_gpu_dask.worker.host_gpu_lock import HostGPUClaim
+from prefect_gpu_dask.worker.host_gpu_lock import LINGER_S, HostGPUClaim
 
 UUID = "GPU-test-0000"
 
@@ -77,6 +77,53 @@ def test_a_killed_holder_leaves_no_stuck_claim(tmp_path):
     holder.join(30)
     with claim.hold() as waited:
         assert waited < 5
+
+
+def test_the_gate_lingers_between_task_runs_then_drops(tmp_path):
+    mine = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path)
+    other = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    with mine.hold():
+        pass
+    mutex_before = mine.mutex.stat().st_mtime_ns
+    with mine.hold() as waited:  # the next run on the slot: no second entry
+        assert waited == 0.0
+    assert other.in_use_elsewhere()  # still held, lingering
+    time.sleep(LINGER_S + 0.2)
+    assert not other.in_use_elsewhere()
+    assert mine.mutex.stat().st_mtime_ns == mutex_before
+
+
+def test_a_cluster_running_task_after_task_lets_a_waiting_one_in(tmp_path):
+    """One cluster runs short gpu task runs back to back, each next one within the gate's
+    linger; another cluster asking for the GPU gets it between two of them."""
+    busy = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path)
+    waiter = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    stop = threading.Event()
+    overlapped: list[bool] = []
+    holding = threading.Event()
+
+    def back_to_back() -> None:
+        while not stop.is_set():
+            with busy.hold():
+                overlapped.append(holding.is_set())
+                time.sleep(0.01)
+            time.sleep(0.002)
+
+    runner = threading.Thread(target=back_to_back)
+    runner.start()
+    try:
+        time.sleep(0.1)
+        asked = time.monotonic()
+        with waiter.hold():
+            holding.set()
+            waited = time.monotonic() - asked
+            time.sleep(0.05)
+            holding.clear()
+    finally:
+        stop.set()
+        runner.join(30)
+    assert waited < 1.0, f"the waiting cluster waited {waited:.2f} s"
+    assert not any(overlapped), "both clusters held the GPU at once"
 
 
 def test_a_directory_others_can_use_is_refused(tmp_path, monkeypatch):
