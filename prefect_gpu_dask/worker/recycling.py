@@ -11,14 +11,12 @@ event loop through ``client.run``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from distributed.core import Status
@@ -33,7 +31,7 @@ from prefect_gpu_dask.records import (
     STARTED_TOPIC,
     TaskRecord,
 )
-from prefect_gpu_dask.worker.taskwrap import refused, with_around
+from prefect_gpu_dask.worker.taskwrap import refused
 
 logger = logging.getLogger(__name__)
 
@@ -137,76 +135,41 @@ def _marks() -> tuple[Any, dict[str, Any]]:
     return key, (ts.annotations or {}) if ts is not None else {}
 
 
-class StartNotice:
-    """``STARTED_TOPIC`` for ``key``, over the worker's RPC to the scheduler, sent as a
-    task run arrives and waited for (``heard``) just before its function runs: Prefect's
-    engine sets the run up meanwhile, and the function never starts before the scheduler
-    knows. On the worker's batched stream the notice would leave with the stream's next
-    batch, which a process killed meanwhile (the task itself, the OOM killer) never
-    sends, and the run would be taken for one that never started."""
-
-    def __init__(self, worker: Any, key: str) -> None:
-        self.worker, self.key = worker, key
-        self._answer: concurrent.futures.Future[None] = concurrent.futures.Future()
-        worker.loop.add_callback(self._send)
-
-    async def _send(self) -> None:
-        message = {"key": self.key, "worker": self.worker.address}
-        try:
-            await asyncio.wait_for(
-                self.worker.scheduler.log_event(topic=STARTED_TOPIC, msg=message), ANNOUNCE_TIMEOUT_S
-            )
-        except Exception as exc:
-            self._answer.set_exception(exc)
-        else:
-            self._answer.set_result(None)
-
-    def wait(self) -> None:
-        """Until the scheduler has heard (or could not be told: then on the stream)."""
-        try:
-            self._answer.result(timeout=ANNOUNCE_TIMEOUT_S + 5)
-        except Exception as exc:  # the stream still carries it, later
-            logger.warning(
-                "Could not tell the scheduler that %s started (%r): sending it on the stream", self.key, exc
-            )
-            self.worker.log_event(STARTED_TOPIC, {"key": self.key})
-
-    @contextlib.contextmanager
-    def heard(self) -> Iterator[None]:
-        """The ``around`` of the task run's function."""
-        self.wait()
-        yield
-
-
-def start_notice() -> StartNotice | None:
-    """In a task, before its Prefect engine starts: start telling the scheduler this task
-    run is starting on this worker (``InterruptedTasks`` remembers it until the task
-    leaves the worker). None outside a task, and on the worker's event loop, which must
-    not wait: there it goes on the stream."""
-    key, _ = _marks()
-    if not isinstance(key, str):
-        return None
-    worker = current_worker()
-    if worker.thread_id == threading.get_ident():
-        worker.log_event(STARTED_TOPIC, {"key": key})
-        return None
-    return StartNotice(worker, key)
-
-
-def interrupted() -> tuple[str | None, bool]:
-    """The worker that died holding this task before, if any, and whether that worker
-    had started it (rather than only queued it), as the scheduler marked it."""
-    marks = _marks()[1]
+def announce_start() -> tuple[str | None, bool]:
+    """In a task, before its Prefect engine starts: tell the scheduler this task run is
+    starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
+    worker), and wait until it has heard. Returns the worker that died running this task
+    before, if any, and whether that worker had started it (rather than only queued it)."""
+    key, marks = _marks()
+    if isinstance(key, str):
+        _tell_scheduler(current_worker(), key)
     return marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
 
 
-def announce_start() -> tuple[str | None, bool]:
-    """``start_notice`` waited for, then ``interrupted()``: for a plain Dask task that
-    does what ``admit`` does for a Prefect task run."""
-    notice = start_notice()
-    if notice is not None:
-        notice.wait()
-    return interrupted()
+def _tell_scheduler(worker: Any, key: str) -> None:
+    """``STARTED_TOPIC`` for ``key``, over the worker's RPC to the scheduler, answered once
+    the scheduler has handled it: the task run's function never starts before the
+    scheduler knows. On the worker's batched stream the notice would leave with the
+    stream's next batch, which a process killed meanwhile (the task itself, the OOM
+    killer) never sends, and the run would be taken for one that never started."""
+    from distributed.utils import sync
+
+    if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
+        worker.log_event(STARTED_TOPIC, {"key": key})
+        return
+    try:
+        sync(
+            worker.loop,
+            worker.scheduler.log_event,
+            topic=STARTED_TOPIC,
+            msg={"key": key, "worker": worker.address},
+            callback_timeout=ANNOUNCE_TIMEOUT_S,
+        )
+    except Exception as exc:  # the stream still carries it, later
+        logger.warning(
+            "Could not tell the scheduler that %s started (%r): sending it on the stream", key, exc
+        )
+        worker.log_event(STARTED_TOPIC, {"key": key})
 
 
 def announce_end(state: Any) -> None:
@@ -260,11 +223,10 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     ``task_run_state``: the run's state in Prefect's API (None where it has none), asked
     only for such a task.
     """
-    notice = start_notice()
-    dead, started_there = interrupted()
+    dead, started_there = announce_start()
     lost = result_lost()
     if dead is None and not lost:
-        return _once_heard(task, notice), None
+        return task, None
     if isinstance(lost, dict):  # the worker that held the result told how the run ended
         return None, _ended_state(lost)
     state = task_run_state()
@@ -291,9 +253,4 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
                 "time (that could repeat its side effects). Submit it again to re-run it."
             ),
         ), None
-    return _once_heard(task, notice), None
-
-
-def _once_heard(task: Any, notice: StartNotice | None) -> Any:
-    """``task``, whose function starts once the scheduler has heard it starts."""
-    return task if notice is None else with_around(task, notice.heard)
+    return task, None
