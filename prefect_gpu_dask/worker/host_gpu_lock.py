@@ -38,6 +38,7 @@ from prefect_gpu_dask.private_dir import private_directory
 WAITER_STALE_S = 2.0  # a waiter that stopped asking this long ago has gone
 POLL_S = 0.05
 LINGER_S = POLL_S  # a waiting cluster's next look is at most this far off anyway
+WAITER_LIVE_S = 4 * POLL_S  # a waiter asking this recently is let in before the turn's holder
 
 
 @contextlib.contextmanager
@@ -90,10 +91,10 @@ class HostGPUClaim:
                 return 0.0
             self._entering = True
             lingering, self._fd = self._fd, None
-        if lingering is not None:
-            os.close(lingering)  # another cluster asked: enter again, as a newcomer would
         fd = None
         try:
+            if lingering is not None:
+                os.close(lingering)  # another cluster asked: enter again, as a newcomer would
             fd = os.open(self.gate, os.O_RDWR | os.O_CREAT, 0o600)
             while not self._enter(fd):
                 time.sleep(POLL_S)
@@ -103,6 +104,7 @@ class HostGPUClaim:
             with self._changed:
                 self._entering = False
                 self._changed.notify_all()
+            self._stop_waiting()
             raise
         with self._changed:
             self._fd, self._holders, self._entering = fd, 1, False
@@ -129,8 +131,9 @@ class HostGPUClaim:
             except BlockingIOError:
                 empty = False
             others_wait = any(c != self.cluster for c in waiting)
+            others_asking = any(c != self.cluster and now - t < WAITER_LIVE_S for c, t in waiting.items())
             had_turn = room.get("cluster") == self.cluster
-            if (empty and not (had_turn and others_wait)) or (had_turn and not others_wait):
+            if (empty and not (had_turn and others_asking)) or (had_turn and not others_wait):
                 # Every entry holds the mutex: nobody can take the gate between these two.
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 waiting.pop(self.cluster, None)
@@ -142,6 +145,17 @@ class HostGPUClaim:
             waiting[self.cluster] = now
             self._write_room(room, {"cluster": room.get("cluster"), "waiting": waiting})
             return False
+
+    def _stop_waiting(self) -> None:
+        """Take this cluster off the waiters (it stopped asking), where it can."""
+        try:
+            with _locked(self.mutex):
+                room = self._read_room()
+                waiting = dict(room.get("waiting", {}))
+                if waiting.pop(self.cluster, None) is not None:
+                    self._write_room(room, {"cluster": room.get("cluster"), "waiting": waiting})
+        except OSError:
+            pass  # the entry goes stale by itself
 
     def _read_room(self) -> dict[str, Any]:
         try:
@@ -163,10 +177,14 @@ class HostGPUClaim:
             if self._holders == 0 and self._fd is not None:
                 self._linger_until = time.monotonic() + LINGER_S
                 if self._lingering is None:
-                    self._lingering = threading.Thread(
-                        target=self._close_when_idle, name="gpu-turn", daemon=True
-                    )
-                    self._lingering.start()
+                    closer = threading.Thread(target=self._close_when_idle, name="gpu-turn", daemon=True)
+                    try:
+                        closer.start()
+                    except RuntimeError:  # no thread to linger with: give the turn back now
+                        fd, self._fd = self._fd, None
+                        _close_quietly(fd)
+                        return
+                    self._lingering = closer
                 self._changed.notify_all()
 
     def _close_when_idle(self) -> None:
@@ -181,7 +199,7 @@ class HostGPUClaim:
                     self._changed.wait(left)
                     continue
                 fd, self._fd = self._fd, None
-                os.close(fd)  # drops the shared lock on the gate
+                _close_quietly(fd)  # drops the shared lock on the gate
 
     def in_use_elsewhere(self) -> bool:
         """Whether another process runs gpu work on this GPU now (a look, not a wait)."""
@@ -196,6 +214,11 @@ class HostGPUClaim:
         finally:
             os.close(fd)
         return False
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 _claims: dict[tuple[str, str], HostGPUClaim] = {}

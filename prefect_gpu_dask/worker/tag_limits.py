@@ -15,6 +15,7 @@ engine's request runs unchanged.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Iterable
@@ -51,18 +52,32 @@ class TagLimits:
                 started = time.monotonic()
                 self._names, self._read_at = self._read(), started
             elif age >= self.max_age_s / 2 and not self._refreshing:
-                self._refreshing = True
-                threading.Thread(target=self._refresh, name="tag-limits", daemon=True).start()
+                self._refresh_in_background()
             known = self._names
         return known is None or not known.isdisjoint(names)
 
+    def _refresh_in_background(self) -> None:
+        """Called holding the lock. In the caller's context: the settings the task run's
+        client reads (retries) are its flow run's."""
+        reader = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._refresh,), name="tag-limits", daemon=True
+        )
+        try:
+            reader.start()
+        except RuntimeError:  # no thread to spare: the next stale answer is read in place
+            return
+        self._refreshing = True
+
     def _refresh(self) -> None:
         started = time.monotonic()
-        names = self._read()
-        with self._lock:
-            if started > self._read_at:  # a waiting reader may have been quicker
-                self._names, self._read_at = names, started
-            self._refreshing = False
+        try:
+            names = self._read()
+            with self._lock:
+                if started > self._read_at:  # a waiting reader may have been quicker
+                    self._names, self._read_at = names, started
+        finally:
+            with self._lock:
+                self._refreshing = False
 
     def _read(self) -> frozenset[str] | None:
         names: list[str] = []

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_dask.private_dir import DIRECTORY_ENV, SharedDirectoryError, private_directory
-from prefect_gpu_dask.worker.host_gpu_lock import LINGER_S, HostGPUClaim
+from prefect_gpu_dask.worker import host_gpu_lock
+from prefect_gpu_dask.worker.host_gpu_lock import HostGPUClaim
 
 UUID = "GPU-test-0000"
 
@@ -79,18 +80,23 @@ def test_a_killed_holder_leaves_no_stuck_claim(tmp_path):
         assert waited < 5
 
 
-def test_the_gate_lingers_between_task_runs_then_drops(tmp_path):
+def test_the_gate_lingers_between_task_runs_then_drops(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_gpu_lock, "LINGER_S", 1.0)  # wide enough for a busy machine
     mine = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path)
     other = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    entries: list[int] = []
+    enter = mine._enter
+    monkeypatch.setattr(mine, "_enter", lambda fd: entries.append(fd) or enter(fd))
     with mine.hold():
         pass
-    mutex_before = mine.mutex.stat().st_mtime_ns
     with mine.hold() as waited:  # the next run on the slot: no second entry
         assert waited == 0.0
+    assert len(entries) == 1
     assert other.in_use_elsewhere()  # still held, lingering
-    time.sleep(LINGER_S + 0.2)
-    assert not other.in_use_elsewhere()
-    assert mine.mutex.stat().st_mtime_ns == mutex_before
+    deadline = time.monotonic() + 30
+    while other.in_use_elsewhere():  # ...then dropped
+        assert time.monotonic() < deadline, "the lingering turn was never given back"
+        time.sleep(0.1)
 
 
 def test_a_cluster_running_task_after_task_lets_a_waiting_one_in(tmp_path):
@@ -101,6 +107,7 @@ def test_a_cluster_running_task_after_task_lets_a_waiting_one_in(tmp_path):
     stop = threading.Event()
     overlapped: list[bool] = []
     holding = threading.Event()
+    got_in = threading.Event()
 
     def back_to_back() -> None:
         while not stop.is_set():
@@ -109,21 +116,42 @@ def test_a_cluster_running_task_after_task_lets_a_waiting_one_in(tmp_path):
                 time.sleep(0.01)
             time.sleep(0.002)
 
-    runner = threading.Thread(target=back_to_back)
-    runner.start()
-    try:
-        time.sleep(0.1)
-        asked = time.monotonic()
+    def wait_for_the_gpu() -> None:
         with waiter.hold():
             holding.set()
-            waited = time.monotonic() - asked
+            got_in.set()
             time.sleep(0.05)
             holding.clear()
+
+    runner = threading.Thread(target=back_to_back, daemon=True)
+    runner.start()
+    time.sleep(0.1)
+    asked = time.monotonic()
+    threading.Thread(target=wait_for_the_gpu, daemon=True).start()
+    try:
+        assert got_in.wait(10), "the waiting cluster never got the GPU"
+        waited = time.monotonic() - asked
     finally:
         stop.set()
         runner.join(30)
-    assert waited < 1.0, f"the waiting cluster waited {waited:.2f} s"
+    assert waited < 2.0, f"the waiting cluster waited {waited:.2f} s"
     assert not any(overlapped), "both clusters held the GPU at once"
+
+
+def test_a_waiter_that_gave_up_does_not_hold_the_gpu_back(tmp_path):
+    """A cluster that asked to wait and then stopped asking (its run cancelled) leaves
+    the GPU to the cluster that had it, without the 2 s a dead waiter's entry lasts."""
+    mine = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path)
+    gone = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    with mine.hold():
+        fd = os.open(gone.gate, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            assert not gone._enter(fd)  # registered as waiting, then never asks again
+        finally:
+            os.close(fd)
+    time.sleep(host_gpu_lock.WAITER_LIVE_S + host_gpu_lock.POLL_S)
+    with mine.hold() as waited:
+        assert waited < 1.0
 
 
 def test_a_directory_others_can_use_is_refused(tmp_path, monkeypatch):
