@@ -12,6 +12,17 @@ from typing import Any
 WARM_TASKS = 64  # at least every thread of every worker on the machines we measure
 
 
+def use_readme_default(label: str) -> None:
+    """The README's default as a new user meets it: no ``PREFECT_API_URL`` and a fresh
+    ``PREFECT_HOME``, so Prefect's embedded SQLite server. Call before Prefect is imported."""
+    import tempfile
+
+    os.environ.pop("PREFECT_API_URL", None)
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"prefect-home-{label}-")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
 @dataclass(frozen=True)
 class Options:
     """What ``run.py``'s command line asks of the sections."""

@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
-# The embedded default, fresh: set before Prefect is imported.
-os.environ.pop("PREFECT_API_URL", None)
-os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-default-")
-os.environ["PREFECT_API_LOG_RETRYABLE_ERRORS"] = "true"
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.common import (  # noqa: E402
+    WARM_TASKS,
+    device_name,
+    p95,
+    spread,
+    use_readme_default,
+    versions,
+)
+
+use_readme_default("default")  # before Prefect is imported
+os.environ["PREFECT_API_LOG_RETRYABLE_ERRORS"] = "true"
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -45,11 +49,10 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
-
-from benchmarks.common import WARM_TASKS, device_name, p95, spread, versions  # noqa: E402
 
 RETRYABLE = "Encountered retryable exception in request"
 LOCKED = "database is locked"

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
-os.environ.pop("PREFECT_API_URL", None)
-os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-flow-end-")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.common import use_readme_default  # noqa: E402
+
+use_readme_default("flow-end")
 
 import functools  # noqa: E402
 import statistics  # noqa: E402

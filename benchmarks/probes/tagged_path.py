@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
-os.environ.pop("PREFECT_API_URL", None)
-os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-tagged-path-")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.common import p95, use_readme_default  # noqa: E402
+
+use_readme_default("tagged-path")
 
 import collections  # noqa: E402
 import statistics  # noqa: E402
@@ -40,11 +38,6 @@ TOP = int(sys.argv[2]) if len(sys.argv) > 2 else 25
 @task
 def noop(i: int) -> int:
     return i
-
-
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
 def profile_lines(tree: dict[str, Any], top: int) -> list[str]:
