@@ -43,12 +43,18 @@ def test_runs_asking_while_they_keep_coming_never_wait_for_a_read():
     assert api.reads >= 3  # read again in the background, about every half max_age_s
 
 
-def test_a_limit_made_is_seen_within_max_age():
+def limit_made_after_the_first_answer() -> TagLimits:
+    """``TagLimits`` that answered "no limit" for ``tag:gpu``, whose API has one since."""
     api = SlowLimits()
     limits = TagLimits(api, max_age_s=MAX_AGE_S)
     assert not limits.exists(["tag:gpu"])
     with api.lock:
         api.names.append("tag:gpu")
+    return limits
+
+
+def test_a_limit_made_is_seen_within_max_age():
+    limits = limit_made_after_the_first_answer()
     made = time.monotonic()
     while True:
         seen = limits.exists(["tag:gpu"])
@@ -59,11 +65,7 @@ def test_a_limit_made_is_seen_within_max_age():
 
 
 def test_an_answer_older_than_max_age_is_read_again_before_it_is_given():
-    api = SlowLimits()
-    limits = TagLimits(api, max_age_s=MAX_AGE_S)
-    assert not limits.exists(["tag:gpu"])
-    with api.lock:
-        api.names.append("tag:gpu")
+    limits = limit_made_after_the_first_answer()
     time.sleep(MAX_AGE_S)  # nobody asked meanwhile: no read ahead
     assert limits.exists(["tag:gpu"])
 
