@@ -13,7 +13,7 @@ last one's task runs. PostgreSQL servers are not touched.
 
 Prefect's server loads collections while it registers block types at start, which it
 does unless ``PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION`` is off (``prefect-gpu-dask
-doctor`` says so). A session opened on another connection inside such a transaction
+doctor`` says so). A database session opened on another connection inside such a transaction
 would now wait for that transaction's lock, as it already would inside Prefect's own
 ``with_for_update`` ones; the server's paths the tests run open none.
 
