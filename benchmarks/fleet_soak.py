@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import contextvars
+import gc
 import json
 import os
 import shutil
@@ -315,6 +316,46 @@ class Sample:
     db_settle_s: float | None = None
     workers_back_s: float | None = None  # waited for the scheduler to have every worker
     rows_per_run: dict[str, float] | None = None  # rows added per flow run in the window
+    python_heap_kib: int | None = None  # what tracemalloc traces (--trace-python-heap)
+
+
+class PythonHeap:
+    """Python's own allocations (``tracemalloc``): their total at each sample, and where
+    the ones made after the warm-up and still held at the end were made. Tracing costs
+    memory and time: RSS figures of a traced soak are not comparable with an untraced one."""
+
+    def __init__(self, frames: int):
+        import tracemalloc
+
+        tracemalloc.start(frames)
+        self._mark: Any = None
+
+    @staticmethod
+    def traced_kib() -> int:
+        import tracemalloc
+
+        return tracemalloc.get_traced_memory()[0] // 1024
+
+    def mark(self) -> None:
+        import tracemalloc
+
+        gc.collect()
+        self._mark = tracemalloc.take_snapshot()
+
+    def growth(self, top: int = 10) -> list[dict[str, Any]]:
+        """The ``top`` call sites by bytes gained since ``mark``, deepest frame last."""
+        import tracemalloc
+
+        if self._mark is None:
+            return []
+        gc.collect()
+        mine = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        now = tracemalloc.take_snapshot().filter_traces(mine)
+        stats = now.compare_to(self._mark.filter_traces(mine), "traceback")
+        return [
+            {"kib": round(s.size_diff / 1024, 1), "blocks": s.count_diff, "traceback": s.traceback.format()}
+            for s in stats[:top]
+        ]
 
 
 def process_status() -> dict[str, int]:
@@ -417,6 +458,7 @@ class Soak:
         self.started = time.perf_counter()
         self.stop = threading.Event()  # a run hung: start no more
         self.total = args.runs + args.concurrent_runs
+        self.heap = PythonHeap(args.trace_python_heap) if args.trace_python_heap else None
         self.flow = build_flow(address, None if args.gpu else SCRIPTED_PROBE, args.gpu, args.short_tasks)
         self._print_lock = threading.Lock()
 
@@ -554,8 +596,11 @@ class Soak:
             db_rows=rows,
             db_settle_s=None if settle_s is None else round(settle_s, 1),
             workers_back_s=round(workers_back_s, 1),
+            python_heap_kib=self.heap.traced_kib() if self.heap else None,
             **status,
         )
+        if self.heap and after_runs == self.args.warmup:
+            self.heap.mark()
         if rows is not None and previous is not None and previous.db_rows is not None and window:
             sample.rows_per_run = {
                 name: round((count - previous.db_rows.get(name, 0)) / window, 2)
@@ -656,6 +701,7 @@ def sample_line(s: Sample) -> str:
         f"{s.threads} fds {s.fds}  scheduler plugins {sched['scheduler_plugins']} clients "
         f"{sched['scheduler_clients']} tasks {sched['scheduler_tasks']} workers {sched['scheduler_workers']}"
         + rows
+        + (f"  python heap {s.python_heap_kib / 1024:.1f} MiB" if s.python_heap_kib is not None else "")
     )
 
 
@@ -931,6 +977,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu", action="store_true", help="real NVML and CuPy instead of the scripted GPU")
     parser.add_argument("--workers", type=int, default=None, help="workers (default 2; --gpu: every GPU)")
     parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds a flow run may take")
+    parser.add_argument(
+        "--trace-python-heap",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="trace Python's allocations (tracemalloc, FRAMES deep): their total per sample, and "
+        "what grew from the warm-up to the end",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if min(args.runs, args.concurrent_runs) < 0 or args.concurrency < 1 or args.run_timeout <= 0:
@@ -965,6 +1019,7 @@ def result_json(
         "summary": summary,
         "failures": failures,
         "samples": [asdict(s) for s in run.samples],
+        "python_heap_growth": run.heap.growth() if run.heap else None,
         "runs": [asdict(r) for r in sorted(run.rows, key=lambda r: r.index)],
     }
 
@@ -978,8 +1033,12 @@ def main() -> int:
         print(f"cluster {args.cluster} at {address}: workers {scheduler_workers(monitor)}", flush=True)
         run, summary, failures = soak(args, address, work, monitor, database)
     print_tables(summary, run.samples, failures, sorted(run.rows, key=lambda r: r.index))
+    result = result_json(args, env, run, summary, failures)
+    for grown in result["python_heap_growth"] or []:
+        print(f"python heap: +{grown['kib']} KiB in {grown['blocks']:+d} blocks, made at")
+        print("\n".join("    " + line for line in grown["traceback"][-12:]))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result_json(args, env, run, summary, failures), indent=2) + "\n")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if failures:
         print(f"ledger and cluster logs kept in {work}")
