@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import contextvars
+import ctypes
 import gc
 import json
 import os
@@ -317,6 +318,10 @@ class Sample:
     workers_back_s: float | None = None  # waited for the scheduler to have every worker
     rows_per_run: dict[str, float] | None = None  # rows added per flow run in the window
     python_heap_kib: int | None = None  # what tracemalloc traces (--trace-python-heap)
+    # glibc's heap (mallinfo2): bytes handed out and not yet freed, by any library, and
+    # bytes freed but kept by the allocator; None where the C library is not glibc.
+    malloc_in_use_kib: int | None = None
+    malloc_free_kib: int | None = None
 
 
 class PythonHeap:
@@ -356,6 +361,29 @@ class PythonHeap:
             {"kib": round(s.size_diff / 1024, 1), "blocks": s.count_diff, "traceback": s.traceback.format()}
             for s in stats[:top]
         ]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
+            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def malloc_status() -> dict[str, int | None]:
+    """What glibc's allocator holds: in use (``uordblks`` + ``hblkhd``) and free but kept
+    (``fordblks``). Python's heap, C extensions', OpenSSL's and Rust's all come from it."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {"malloc_in_use_kib": None, "malloc_free_kib": None}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    in_use = info.uordblks + info.hblkhd
+    return {"malloc_in_use_kib": in_use // 1024, "malloc_free_kib": info.fordblks // 1024}
 
 
 def process_status() -> dict[str, int]:
@@ -597,6 +625,7 @@ class Soak:
             db_settle_s=None if settle_s is None else round(settle_s, 1),
             workers_back_s=round(workers_back_s, 1),
             python_heap_kib=self.heap.traced_kib() if self.heap else None,
+            **malloc_status(),
             **status,
         )
         if self.heap and after_runs == self.args.warmup:
@@ -702,6 +731,11 @@ def sample_line(s: Sample) -> str:
         f"{sched['scheduler_clients']} tasks {sched['scheduler_tasks']} workers {sched['scheduler_workers']}"
         + rows
         + (f"  python heap {s.python_heap_kib / 1024:.1f} MiB" if s.python_heap_kib is not None else "")
+        + (
+            f"  malloc in use {s.malloc_in_use_kib / 1024:.0f} MiB free {s.malloc_free_kib / 1024:.0f} MiB"
+            if s.malloc_in_use_kib is not None and s.malloc_free_kib is not None
+            else ""
+        )
     )
 
 
@@ -716,6 +750,9 @@ def flat(sample: Sample) -> dict[str, float]:
         "fds": sample.fds,
     }
     values |= {k: v for k, v in sample.scheduler.items() if isinstance(v, int)}
+    for name in ("malloc_in_use_kib", "malloc_free_kib"):
+        if getattr(sample, name) is not None:
+            values[name] = getattr(sample, name)
     if sample.rows_per_run is not None:
         values |= {f"rows_per_run.{name}": value for name, value in sample.rows_per_run.items()}
     return values

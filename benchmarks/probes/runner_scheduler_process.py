@@ -1,0 +1,96 @@
+"""Per-task time of the runner with the Dask scheduler in the flow's process (the local
+cluster it starts) and in a process of its own (a ``dask scheduler`` it joins), beside
+Prefect's thread pool. Same worker shape in both: one worker, 8 threads. Guard off.
+
+    python benchmarks/probes/runner_scheduler_process.py [tasks] [rounds] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.common import WARM_TASKS, device_name, p95, use_readme_default  # noqa: E402
+
+THREADS = 8
+IN_FLOW = "runner, scheduler in the flow's process"
+OWN = "runner, scheduler in its own process"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tasks", type=int, nargs="?", default=200)
+    parser.add_argument("rounds", type=int, nargs="?", default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    use_readme_default("scheduler-process")
+
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from benchmarks.probes.start_notice_rtt import own_process_scheduler
+    from benchmarks.sections.tasks import api_caught_up
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    @task
+    def noop(i: int) -> int:
+        return i
+
+    def timed(runner: Any) -> float:
+        @flow(task_runner=runner)
+        def many() -> tuple[float, str]:
+            getattr(FlowRunContext.get().task_runner, "client", None)
+            assert all(f.result() < 0 for f in noop.map(range(-WARM_TASKS, 0)))
+            start = time.perf_counter()
+            assert [f.result() for f in noop.map(range(args.tasks))] == list(range(args.tasks))
+            return time.perf_counter() - start, str(FlowRunContext.get().flow_run.id)
+
+        elapsed, flow_run_id = many()
+        api_caught_up(flow_run_id, args.tasks + WARM_TASKS)
+        return elapsed
+
+    runs: dict[str, list[float]] = {"thread pool": [], IN_FLOW: [], OWN: []}
+    with own_process_scheduler() as address:
+        for _ in range(args.rounds):
+            runs["thread pool"].append(timed(ThreadPoolTaskRunner(max_workers=16)))
+            runs[IN_FLOW].append(
+                timed(
+                    GPUDaskTaskRunner(
+                        cluster_kwargs={"threads_per_worker": THREADS, "n_workers": 1}, guard="off"
+                    )
+                )
+            )
+            runs[OWN].append(timed(GPUDaskTaskRunner(address=address, guard="off")))
+    pool = statistics.median(runs["thread pool"])
+    rows = []
+    print(
+        f"# {device_name()}, {os.cpu_count()} cores; {args.tasks} trivial tasks, {args.rounds} rounds, warm"
+    )
+    print("| runner | median s | p95 s | / thread pool | rounds |")
+    print("|---|---:|---:|---:|---|")
+    for name, values in runs.items():
+        row = {"runner": name, "median_s": statistics.median(values), "p95_s": p95(values), "runs_s": values}
+        row["over_thread_pool"] = row["median_s"] / pool
+        rows.append(row)
+        print(
+            f"| {name} | {row['median_s']:.3f} | {row['p95_s']:.3f} | {row['over_thread_pool']:.2f} |"
+            f" {', '.join(f'{v:.3f}' for v in values)} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"device": device_name(), "cores": os.cpu_count(), "tasks": args.tasks, "rows": rows},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
