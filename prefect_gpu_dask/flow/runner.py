@@ -30,6 +30,7 @@ from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
+from prefect_gpu_dask.flow.heap import release_freed_heap_soon
 from prefect_gpu_dask.flow.prefect_api import share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
@@ -416,4 +417,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         except Exception:
             self.logger.exception("Could not publish the GPU memory report")
         finally:
-            super().__exit__(*exc_info)
+            try:
+                super().__exit__(*exc_info)
+            finally:
+                release_freed_heap_soon()
