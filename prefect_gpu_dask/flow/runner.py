@@ -54,6 +54,7 @@ from prefect_gpu_dask.settings import (
     check_connection,
 )
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
+from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
 
 P = ParamSpec("P")
@@ -260,7 +261,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return self._client
 
     def _register_plugins(self, client: distributed.Client) -> None:
-        """The labels on every worker, and the guard where the cluster has (or may get) a GPU.
+        """The labels and the heap freezer on every worker, and the guard where the cluster
+        has (or may get) a GPU.
 
         Registered on the scheduler: workers that join later get them too, and each
         decides for itself whether it has a GPU to label or guard.
@@ -269,6 +271,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client.register_plugin(GPULabels(self.settings), name=GPULabels.name)
         except Exception as exc:  # e.g. prefect-gpu-dask not installed on the workers
             self.logger.warning("Could not label GPU workers with their model and memory: %s", exc)
+        try:
+            client.register_plugin(WorkerHeap(), name=WorkerHeap.name)
+        except Exception as exc:
+            self.logger.warning("Could not freeze the workers' long-lived heap out of collections: %s", exc)
         offered = self._offers.refresh()
         if self.settings.guard == "off":
             return

@@ -47,6 +47,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "scheduler.metrics": {"GPUMetrics"},  # the metrics plugin, registered on the scheduler
         "worker.guard": {"GPUMemoryGuard"},  # the guard plugin, registered for every worker
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
+        "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
     },
     "flow.submission": {
         "worker.entry": {"run_prefect_task"},  # the Dask task of every task run
