@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import time
 
-import pytest
 from distributed import Client, Event, LocalCluster
 from prefect import flow, task
 from prefect.context import FlowRunContext
@@ -43,29 +42,27 @@ def test_freeze_is_due_only_with_new_modules_and_no_task():
     assert not freeze_due(modules=501, modules_at_last_freeze=500, executing=1)
 
 
-def test_a_bad_interval_is_refused_naming_it():
-    with pytest.raises(ValueError, match="-1"):
-        WorkerHeap(check_s=-1)
-
-
-def test_an_idle_worker_freezes_and_a_running_task_is_left_alone():
+def test_a_worker_freezes_at_setup_and_when_its_last_task_ends_never_during_one():
     with LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=":0", processes=True) as cluster:
         with Client(cluster) as client:
             assert list(client.run(freeze_count).values()) == [0]
-            client.register_plugin(WorkerHeap(check_s=0.2), name=WorkerHeap.name)
-            wait_for(lambda: list(client.run(freezes).values()) == [1])  # idle: its imports frozen
+            client.register_plugin(WorkerHeap(), name=WorkerHeap.name)
+            assert list(client.run(freezes).values()) == [1]  # at setup: its imports frozen
             assert list(client.run(freeze_count).values())[0] > 1000
 
             started, go_on = Event("started"), Event("go-on")
             running = client.submit(import_new_module_and_wait, "started", "go-on", pure=False)
             assert started.wait(30)
-            time.sleep(1.0)  # five checks while the task runs, with a module new since
-            assert list(client.run(freezes).values()) == [1]
+            slow = client.submit(time.sleep, 0.5, pure=False)  # ends while the first still runs
+            slow.result(30)
+            time.sleep(0.5)
+            assert list(client.run(freezes).values()) == [1]  # a task ended, another runs: not now
             go_on.set()
             running.result(30)
-            wait_for(lambda: list(client.run(freezes).values())[0] >= 2)  # idle again: the new module
+            wait_for(lambda: list(client.run(freezes).values())[0] >= 2)  # the last one ended: new module
             done = list(client.run(freezes).values())
-            time.sleep(1.0)
+            client.submit(time.sleep, 0.1, pure=False).result(30)
+            time.sleep(0.5)
             assert list(client.run(freezes).values()) == done  # nothing new: nothing done
             assert gc.get_freeze_count() == 0  # the client's own process is not touched
 
