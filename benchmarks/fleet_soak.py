@@ -322,6 +322,7 @@ class Sample:
     # bytes freed but kept by the allocator; None where the C library is not glibc.
     malloc_in_use_kib: int | None = None
     malloc_free_kib: int | None = None
+    fd_kinds: dict[str, int] | None = None  # this process's open files by kind: socket, pipe, ...
 
 
 class PythonHeap:
@@ -384,6 +385,20 @@ def malloc_status() -> dict[str, int | None]:
     info = mallinfo2()
     in_use = info.uordblks + info.hblkhd
     return {"malloc_in_use_kib": in_use // 1024, "malloc_free_kib": info.fordblks // 1024}
+
+
+def fd_kinds() -> dict[str, int]:
+    """This process's open files by what they are: ``socket``, ``pipe``, ``anon_inode``
+    (epoll, eventfd), ``dev`` or ``file``."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        kind = target.split(":", 1)[0] if ":" in target and not target.startswith("/") else "file"
+        kinds["dev" if target.startswith("/dev/") else kind] += 1
+    return dict(sorted(kinds.items()))
 
 
 def process_status() -> dict[str, int]:
@@ -626,6 +641,7 @@ class Soak:
             workers_back_s=round(workers_back_s, 1),
             python_heap_kib=self.heap.traced_kib() if self.heap else None,
             **malloc_status(),
+            fd_kinds=fd_kinds(),
             **status,
         )
         if self.heap and after_runs == self.args.warmup:
@@ -753,6 +769,7 @@ def flat(sample: Sample) -> dict[str, float]:
     for name in ("malloc_in_use_kib", "malloc_free_kib"):
         if getattr(sample, name) is not None:
             values[name] = getattr(sample, name)
+    values |= {f"fds.{kind}": n for kind, n in (sample.fd_kinds or {}).items()}
     if sample.rows_per_run is not None:
         values |= {f"rows_per_run.{name}": value for name, value in sample.rows_per_run.items()}
     return values
