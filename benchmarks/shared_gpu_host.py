@@ -176,13 +176,15 @@ def main() -> int:
                 one = [str(ledger), str(args.fraction), str(args.hold), str(index), leak]
                 command = [sys.executable, __file__, "--one", *one, "--tasks", str(args.tasks)]
                 command += ["--no-lock"] if args.no_lock else []
-                runs.append(
-                    subprocess.Popen(
-                        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                    )
-                )
-            outputs = [run.communicate(timeout=600)[0] for run in runs]
+                # To a file, not a pipe: what a flow run said is there even if it never ends.
+                log = Path(runtime) / f"flow-run-{index}.log"
+                with open(log, "w") as out:
+                    runs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
+                print(f"flow run {index}: pid {runs[-1].pid}, output in {log}", flush=True)
+            for run in runs:
+                run.wait(timeout=600)
             wall = time.time() - started
+            outputs = [(Path(runtime) / f"flow-run-{i}.log").read_text() for i in range(len(runs))]
     finally:
         if args.host_cluster:
             subprocess.run(host_cluster + ["stop", "--force"], env=base_env)

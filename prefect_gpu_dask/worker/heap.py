@@ -10,7 +10,9 @@ worker's last running task ends with modules imported since (the libraries a fir
 task loads), so later full collections skip what was there. Collecting first freezes
 no garbage. What is frozen and later becomes garbage in a reference cycle is never
 collected: for a process's imports and long-lived state that costs nothing, and a
-task's own objects are never frozen while it runs.
+task's own objects are never frozen while it runs. A worker without a nanny may share
+its process with the flow (``LocalCluster(processes=False)``): that process is the
+user's, so such a worker is left as it is.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class WorkerHeap(WorkerPlugin):
         self._worker: Any = None
 
     async def setup(self, worker: Any) -> None:
+        if worker.nanny is None:  # maybe in the flow's own process
+            return
         self._worker = worker
         self.check()
 
@@ -50,6 +54,8 @@ class WorkerHeap(WorkerPlugin):
             self._worker.loop.add_callback(self.check)
 
     def check(self) -> None:
+        if self._worker is None:
+            return
         modules = len(sys.modules)
         if not freeze_due(modules, self._modules_at_last_freeze, self._worker.state.executing_count):
             return

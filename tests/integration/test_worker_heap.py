@@ -43,6 +43,7 @@ def test_freeze_is_due_only_with_new_modules_and_no_task():
 
 
 def test_a_worker_freezes_at_setup_and_when_its_last_task_ends_never_during_one():
+    frozen_here = gc.get_freeze_count()
     with LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=":0", processes=True) as cluster:
         with Client(cluster) as client:
             assert list(client.run(freeze_count).values()) == [0]
@@ -64,7 +65,18 @@ def test_a_worker_freezes_at_setup_and_when_its_last_task_ends_never_during_one(
             client.submit(time.sleep, 0.1, pure=False).result(30)
             time.sleep(0.5)
             assert list(client.run(freezes).values()) == done  # nothing new: nothing done
-            assert gc.get_freeze_count() == 0  # the client's own process is not touched
+            assert gc.get_freeze_count() == frozen_here  # the client's own process is not touched
+
+
+def test_a_worker_in_the_clients_process_is_left_alone():
+    frozen_here = gc.get_freeze_count()
+    with LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=":0", processes=False) as cluster:
+        with Client(cluster) as client:
+            client.register_plugin(WorkerHeap(), name=WorkerHeap.name)
+            assert client.submit(len, "abc").result(30) == 3
+            time.sleep(0.5)
+            assert list(client.run(freezes).values()) == [0]
+    assert gc.get_freeze_count() == frozen_here
 
 
 @task
