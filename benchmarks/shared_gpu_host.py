@@ -11,7 +11,7 @@ directory), so every flow run joins that one cluster instead of starting its own
 ``--leak-in-one``: the first flow run's task also keeps 512 MiB on the GPU (a leak), so
 its worker is recycled while the others run; ``--tasks`` short ``gpu`` tasks per flow run
 follow the big one. Checked: every task of every flow run completed, none ran twice, the
-leaking flow run's restart is in its ``runner.restarts``.
+leaking flow run's restart is in its GPU report (``read_flow_run_gpu_report``).
 
 Every flow run is a process of its own (as under a process work pool), all reporting
 to one ``prefect server start`` (``benchmarks/servers.py``). Each task allocates its
@@ -96,7 +96,7 @@ def one_flow_run(
     from prefect.context import FlowRunContext
     from prefect.futures import wait
 
-    from prefect_gpu_dask import GPUDaskTaskRunner
+    from prefect_gpu_dask import GPUDaskTaskRunner, read_flow_run_gpu_report
 
     gpu_task = task(fill_gpu, name="fill-gpu", tags=["gpu"])
     short = task(short_gpu_task, name="short", tags=["gpu"])
@@ -109,16 +109,17 @@ def one_flow_run(
             futures.append(leaking.submit(ledger, f"flow{index}-leak"))
         futures += [short.submit(ledger, f"flow{index}-short{i}") for i in range(tasks)]
         wait(futures)
-        runner = FlowRunContext.get().task_runner
-        return {
-            "flow": index,
-            "states": [f.state.type.value for f in futures],
-            "restarts": [
-                {"reason": r.reason, "outcome": r.outcome, "serving_s": r.serving_s} for r in runner.restarts
-            ],
-        }
+        states = [f.state.type.value for f in futures]
+        return {"flow": index, "states": states, "flow_run_id": str(FlowRunContext.get().flow_run.id)}
 
-    print("RESULT " + json.dumps(nightly()))
+    result = nightly()
+    # Read once the flow run is over: a recycle it ordered may end after its body (the
+    # runner waits for it on the way out and publishes it to the API).
+    report = read_flow_run_gpu_report(result.pop("flow_run_id"))
+    result["restarts"] = [
+        {"reason": r.reason, "outcome": r.outcome, "serving_s": r.serving_s} for r in report.restarts
+    ]
+    print("RESULT " + json.dumps(result))
 
 
 def overlaps(spans: list[tuple[float, float]]) -> int:
