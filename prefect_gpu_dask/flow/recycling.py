@@ -11,7 +11,9 @@ wait, refusing a task run whose worker died).
 that asked returns; ``worker.recycling.drain``): it starts nothing new, and once it runs nothing,
 the tasks queued on it go back to the scheduler and it restarts. Results it holds that
 a pending task still needs are waited for (if only this worker can run that task, it
-briefly takes tasks again). Before the restart, the Prefect states held there move
+briefly takes tasks again); so are results another flow run's client holds, and where
+no other worker can take them or that flow run's work, the worker keeps serving until
+that flow run has them. Before the restart, the Prefect states held there move
 into the flow (their futures get their final state), so downstream tasks receive the
 state itself instead of a Dask key that would vanish and be recomputed. The
 replacement's guard holds tasks off until the old process's GPU memory is gone.
@@ -311,6 +313,7 @@ class Recycler:
     def _recycle(self, request: _Request) -> None:
         requested, requested_wall = time.perf_counter(), time.time()
         self._safe_at: float | None = None
+        self._serving_logged = False
         if request.worker not in self._workers():
             self.logger.debug("%s is gone already: not restarting it (%s)", request.worker, request.reason)
             return
@@ -404,9 +407,20 @@ class Recycler:
             if handed["status"] != "ok":
                 return {"status": "busy"}
             found = self.client.run_on_scheduler(blockers, targets, False, list(stuck))
+            held_for_others = False
             if not found["reasons"]:
-                return self._restart_now(targets, whole_cluster=False, stuck=stuck)
-        if found["stuck"]:
+                answer = self._restart_now(targets, whole_cluster=False, stuck=stuck)
+                if not answer.get("serve_meanwhile"):
+                    return answer
+                held_for_others = True
+        if held_for_others and not self._serving_logged:
+            self._serving_logged = True
+            self.logger.info(
+                "%s holds results another flow run has not taken yet, and no other worker can "
+                "take them or its work: it serves until that flow run has them, then restarts",
+                ", ".join(targets),
+            )
+        if found["stuck"] or held_for_others:
             self.client.run(resume, workers=targets, on_error="return")
             time.sleep(RESUMED_S)
         return {"status": "busy"}

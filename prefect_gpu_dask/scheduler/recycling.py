@@ -171,7 +171,9 @@ async def restart_if_safe(
                 )
             held = wanted_only_on(addresses, dask_scheduler)
         if held:
-            return {"status": "busy", "blockers": [f"{len(held)} result(s) a client holds are only there"]}
+            blocker = f"{len(held)} result(s) a client holds are only there"
+            # With no other worker, their client's work can run only here: it must, to end.
+            return {"status": "busy", "blockers": [blocker], "serve_meanwhile": not others}
     old = {address: dask_scheduler.workers[address] for address in addresses}
     for address in addresses:
         # Paused workers get no new tasks between this check and the restart.

@@ -50,3 +50,33 @@ def test_a_short_fleet_soak_passes_every_check(tmp_path):
         assert figures[name]["last"] <= figures[name]["first"] * 1.10, (name, figures[name])
     assert figures["scheduler_runner_clients"]["last"] == 0
     assert figures["scheduler_subscribers_ours"]["last"] == 0
+
+
+ONE_WORKER = [
+    "--cluster", "cli",
+    "--workers", "1",
+    "--runs", "0",
+    "--concurrent-runs", "16",
+    "--concurrency", "2",
+    "--fault-every", "2",
+    "--warmup", "0",
+    "--sample-every", "4",
+    "--run-timeout", "60",
+    "--rss-growth-limit", "1.0",
+]  # fmt: skip
+
+
+def test_a_leak_on_the_only_worker_waits_for_the_other_flow_runs_results(tmp_path):
+    """Two flow runs at a time on a cluster of one worker: a leak recycles the worker
+    while the other flow run holds results there, which no other worker can take. The
+    worker serves that flow run until it has them, then restarts; nothing hangs."""
+    args = parse_args(ONE_WORKER)
+    with fleet(args, tmp_path, server=False) as (address, monitor, database):
+        run, summary, failures = soak(args, address, tmp_path, monitor, database)
+
+    problems = [f"run {r.index} ({r.phase}, {r.fault}): {p}" for r in run.rows for p in r.problems]
+    print("\n".join(problems))
+    assert summary["runs_ended"] == 16 and summary["runs_hung"] == 0, (summary, problems)
+    assert problems == [] and summary["tasks_run_too_often"] == [] and summary["tasks_lost"] == [], summary
+    assert summary["task_states"]["leak Completed"] == 2
+    assert summary["restarts"] >= 1 and summary["restarts_lost"] == 0, summary
