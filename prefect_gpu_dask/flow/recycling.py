@@ -445,7 +445,9 @@ class Recycler:
         if stuck:
             self.client.run_on_scheduler(mark_interrupted, list(stuck), targets[0])
         timeout = STUCK_RESTART_S if stuck else self.timeout
-        return self.client.run_on_scheduler(restart_if_safe, targets, timeout, whole_cluster, list(stuck))
+        return self.client.run_on_scheduler(
+            restart_if_safe, targets, timeout, whole_cluster, list(stuck), self.client.id
+        )
 
     # -- results ------------------------------------------------------------------
     def _unfinished(self) -> int:

@@ -139,10 +139,12 @@ async def restart_if_safe(
     timeout: float,
     whole_cluster: bool,
     stuck: list[str] = (),
+    requester: str | None = None,
     dask_scheduler: Any = None,
 ) -> dict[str, Any]:
     """Restart ``addresses`` now if nothing would be lost; ``stuck``: hung tasks that
-    may still run there (they die with the process, and are not run again).
+    may still run there (they die with the process, and are not run again);
+    ``requester``: the client that asked.
 
     Answers, per worker, ``{"outcome": REPLACED, "address": ...}`` once a worker of
     the same name serves again, or ``{"outcome": "lost", "why": ...}``.
@@ -172,8 +174,12 @@ async def restart_if_safe(
             held = wanted_only_on(addresses, dask_scheduler)
         if held:
             blocker = f"{len(held)} result(s) a client holds are only there"
-            # With no other worker, their client's work can run only here: it must, to end.
-            return {"status": "busy", "blockers": [blocker], "serve_meanwhile": not others}
+            # Another client's, with no other worker: its work can run only here, and must,
+            # for that client to end and let them go.
+            theirs = any(
+                cs.client_key != requester for key in held for cs in dask_scheduler.tasks[key].who_wants
+            )
+            return {"status": "busy", "blockers": [blocker], "serve_meanwhile": theirs and not others}
     old = {address: dask_scheduler.workers[address] for address in addresses}
     for address in addresses:
         # Paused workers get no new tasks between this check and the restart.
