@@ -103,6 +103,7 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
     from prefect_gpu_dask.flow.cluster import (
         default_cluster_class,
         is_local_cuda_cluster,
+        local_cluster_config,
         local_cluster_kwargs,
         start_local_cluster,
     )
@@ -128,7 +129,10 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
     forkserver.worker_start_method(cuda, preload=forkserver.WORKER_PRELOAD)
     with ExitStack() as stack:
         cluster = start_local_cluster(
-            cluster_class, local_cluster_kwargs(cluster_class, wanted), stack, config={}
+            cluster_class,
+            local_cluster_kwargs(cluster_class, wanted),
+            stack,
+            config=local_cluster_config(fail_without_workers=False),
         )
         with Client(cluster, security=security) as client:
             client.register_plugin(GPULabels(), name=GPULabels.name)

@@ -40,6 +40,9 @@ NO_WORKERS_TIMEOUT = "10s"
 # a gpu task's own Dask graph run beside it (docs/performance.md). gpu-tagged tasks
 # still take the GPU one at a time.
 GPU_WORKER_THREADS = 8
+PROFILE_INTERVAL = "distributed.worker.profile.interval"
+DASK_PROFILE_INTERVAL = "10ms"
+WORKER_PROFILE_INTERVAL = "100ms"
 # A host cluster that does not answer this fast is not used: the flow run starts its own.
 HOST_CLUSTER_CONNECT_S = 5
 
@@ -129,6 +132,19 @@ def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[.
     from prefect.utilities.importtools import from_qualified_name
 
     return from_qualified_name(cluster_class)
+
+
+def local_cluster_config(fail_without_workers: bool) -> dict[str, Any]:
+    """Dask settings for a cluster the runner starts, where the user kept Dask's default."""
+    config: dict[str, Any] = {}
+    if fail_without_workers:
+        config["distributed.scheduler.no-workers-timeout"] = NO_WORKERS_TIMEOUT
+    # Dask's statistical profiler walks every worker thread's stack each interval while
+    # holding the worker's GIL, which each task run's Prefect engine needs too; a coarser
+    # interval keeps the dashboard's profile.
+    if dask.config.get(PROFILE_INTERVAL) == DASK_PROFILE_INTERVAL:
+        config[PROFILE_INTERVAL] = WORKER_PROFILE_INTERVAL
+    return config
 
 
 def start_local_cluster(
@@ -240,11 +256,7 @@ def _start_cluster(runner: GPUDaskTaskRunner) -> None:
     if runner.security is not None:
         kwargs.setdefault("security", runner.security)
     runner.logger.info("Creating a new Dask cluster with `%s`", cluster_class_name(cluster_class))
-    config = (
-        {"distributed.scheduler.no-workers-timeout": NO_WORKERS_TIMEOUT}
-        if runner.settings.on_missing_gpu == "error" and not runner.adapt_kwargs
-        else {}
-    )
+    config = local_cluster_config(runner.settings.on_missing_gpu == "error" and not runner.adapt_kwargs)
     runner._cluster = start_local_cluster(cluster_class, kwargs, runner._exit_stack, config)
     runner._made_cluster = True
     if runner.adapt_kwargs:

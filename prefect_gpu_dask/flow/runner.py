@@ -402,6 +402,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        # Only a runner that held a client ends a flow run; a worker enters a copy per task run.
+        ran_flow = self._client is not None or self._made_cluster
         try:
             # A client that lost its scheduler would wait out its reconnect timeout.
             connected = self._client is not None and self._client.status == "running"
@@ -426,4 +428,5 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             try:
                 super().__exit__(*exc_info)
             finally:
-                release_freed_heap_soon()
+                if ran_flow:
+                    release_freed_heap_soon()

@@ -358,11 +358,12 @@ class InterruptedTasks(SchedulerPlugin):
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == STARTED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
-            key, worker = msg.get("key"), msg.get("worker")
-            ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
-            # Only from the worker running it now: not a late event of an earlier attempt.
-            if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
-                self.started[key] = worker
+            worker = msg.get("worker")
+            for key in msg.get("keys", ()):
+                ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
+                # Only from the worker running it now: not a late event of an earlier attempt.
+                if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
+                    self.started[key] = worker
         elif topic == ENDED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
             key, worker = msg.get("key"), msg.get("worker")
             ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None

@@ -152,24 +152,70 @@ def _tell_scheduler(worker: Any, key: str) -> None:
     scheduler knows. On the worker's batched stream the notice would leave with the
     stream's next batch, which a process killed meanwhile (the task itself, the OOM
     killer) never sends, and the run would be taken for one that never started."""
-    from distributed.utils import sync
-
     if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
-        worker.log_event(STARTED_TOPIC, {"key": key})
+        worker.log_event(STARTED_TOPIC, {"keys": [key], "worker": worker.address})
         return
-    try:
-        sync(
-            worker.loop,
-            worker.scheduler.log_event,
-            topic=STARTED_TOPIC,
-            msg={"key": key, "worker": worker.address},
-            callback_timeout=ANNOUNCE_TIMEOUT_S,
-        )
-    except Exception as exc:  # the stream still carries it, later
-        logger.warning(
-            "Could not tell the scheduler that %s started (%r): sending it on the stream", key, exc
-        )
-        worker.log_event(STARTED_TOPIC, {"key": key})
+    notices = _notices.get(worker)
+    if notices is None:
+        notices = _notices.setdefault(worker, StartNotices(worker))
+    notices.tell(key)
+
+
+class StartNotices:
+    """One worker's start notices, each answered before its task run's function starts.
+
+    Task threads that start while a notice is on its way wait for the next, which
+    carries all of theirs: one round trip per batch, not per task run, on a worker
+    whose threads start tasks faster than the scheduler answers.
+    """
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[str, threading.Event]] = []
+        self._sending = False
+
+    def tell(self, key: str) -> None:
+        """Send ``key``'s notice (with others waiting) and wait until the scheduler has it."""
+        heard = threading.Event()
+        with self._lock:
+            self._waiting.append((key, heard))
+            send, self._sending = not self._sending, True
+        if send:
+            self.worker.loop.add_callback(self._send)
+        if not heard.wait(ANNOUNCE_TIMEOUT_S):
+            logger.warning(
+                "The scheduler did not hear that %s started within %.0f s: sending it on the stream",
+                key,
+                ANNOUNCE_TIMEOUT_S,
+            )
+            self.worker.loop.add_callback(self.worker.log_event, STARTED_TOPIC, self._notice([key]))
+
+    def _notice(self, keys: list[str]) -> dict[str, Any]:
+        return {"keys": keys, "worker": self.worker.address}
+
+    async def _send(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._waiting = self._waiting, []
+                if not batch:
+                    self._sending = False
+                    return
+            keys = [key for key, _ in batch]
+            try:
+                await self.worker.scheduler.log_event(topic=STARTED_TOPIC, msg=self._notice(keys))
+            except Exception as exc:  # the stream still carries them, later
+                logger.warning(
+                    "Could not tell the scheduler that %d task run(s) started (%r): sending on the stream",
+                    len(keys),
+                    exc,
+                )
+                self.worker.log_event(STARTED_TOPIC, self._notice(keys))
+            for _, heard in batch:
+                heard.set()
+
+
+_notices: weakref.WeakKeyDictionary[Any, StartNotices] = weakref.WeakKeyDictionary()
 
 
 def announce_end(state: Any) -> None:

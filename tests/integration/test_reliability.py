@@ -220,6 +220,23 @@ def queued_behind(_: int) -> tuple[str | None, bool]:
     return announce_start()
 
 
+def test_task_runs_starting_together_share_one_start_notice_each_answered(procs):
+    """Eight threads start tasks at once: the notices that wait while one is on its way
+    leave together, and every task run's start reaches the scheduler exactly once."""
+    from prefect_gpu_dask.records import STARTED_TOPIC
+
+    address = procs.start_scheduler()
+    procs.start_worker("gpu-worker", "--nthreads", "8")
+    procs.wait_for_workers(1)
+    with Client(address) as client:
+        futures = [client.submit(queued_behind, i, pure=False) for i in range(64)]
+        assert client.gather(futures) == [(None, False)] * 64
+        notices = [msg for _, msg in client.get_events(STARTED_TOPIC)]
+    keys = [key for msg in notices for key in msg["keys"]]
+    assert sorted(keys) == sorted(f.key for f in futures)
+    assert len(notices) < len(keys), "no start notice carried more than one task run"
+
+
 def test_the_scheduler_tells_a_started_task_from_a_queued_one_on_a_dead_worker(procs, tmp_path):
     from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 

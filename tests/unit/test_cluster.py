@@ -39,3 +39,17 @@ def test_clusters_forking_at_once_hand_the_start_method_back_to_the_user(monkeyp
     assert dask.config.get(START_METHOD_KEY) == "forkserver"
     second.__exit__(None, None, None)
     assert dask.config.get(START_METHOD_KEY) == "spawn"
+
+
+def test_started_clusters_sample_profiles_coarser_unless_the_user_chose_an_interval():
+    import dask
+
+    from prefect_gpu_dask.flow.cluster import PROFILE_INTERVAL, local_cluster_config
+
+    assert local_cluster_config(fail_without_workers=False) == {PROFILE_INTERVAL: "100ms"}
+    assert local_cluster_config(fail_without_workers=True) == {
+        "distributed.scheduler.no-workers-timeout": "10s",
+        PROFILE_INTERVAL: "100ms",
+    }
+    with dask.config.set({PROFILE_INTERVAL: "5ms"}):
+        assert local_cluster_config(fail_without_workers=False) == {}

@@ -69,3 +69,17 @@ def test_one_release_at_a_time(monkeypatch):
 def test_nothing_to_do_without_glibc(monkeypatch):
     monkeypatch.setattr(heap, "_malloc_trim", lambda: None)
     assert not heap.release_freed_heap_soon()
+
+
+def test_a_runner_that_never_connected_releases_nothing(monkeypatch):
+    """Prefect's engine enters a copy of the runner for every task run on a worker: only
+    the runner that held the flow run's client ends a flow run."""
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    calls = []
+    monkeypatch.setattr(heap, "_malloc_trim", lambda: calls.append)
+    _release_done()
+    with GPUDaskTaskRunner().duplicate():
+        pass
+    _release_done()
+    assert calls == []
