@@ -65,7 +65,7 @@ def test_a_task_started_on_a_dead_worker_is_marked_started_there():
     interrupted = plugin(sched)
     ts = task(sched, "t")
     processing(interrupted, ts, A)
-    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": A})
+    interrupted.log_event(STARTED_TOPIC, {"keys": ["t"], "worker": A})
     dies(interrupted, A, ts)
     assert ts.annotations[INTERRUPTED] == A and ts.annotations[STARTED_THERE]
 
@@ -87,7 +87,7 @@ def test_a_task_moved_to_another_worker_before_it_started_is_marked_where_it_sta
     ts = task(sched, "t")
     processing(interrupted, ts, A)
     ts.processing_on = sched.workers[B]  # stolen: no transition
-    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": B})
+    interrupted.log_event(STARTED_TOPIC, {"keys": ["t"], "worker": B})
     dies(interrupted, B, ts)
     assert ts.annotations[INTERRUPTED] == B and ts.annotations[STARTED_THERE]
 
@@ -97,7 +97,7 @@ def test_a_late_start_of_an_earlier_attempt_is_ignored():
     interrupted = plugin(sched)
     ts = task(sched, "t")
     processing(interrupted, ts, B)
-    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": A})  # not where it runs now
+    interrupted.log_event(STARTED_TOPIC, {"keys": ["t"], "worker": A})  # not where it runs now
     dies(interrupted, B, ts)
     assert STARTED_THERE not in ts.annotations
 
@@ -120,7 +120,7 @@ def test_a_lost_result_carries_how_its_run_ended():
     interrupted = plugin(sched)
     ts = task(sched, "t")
     processing(interrupted, ts, A)
-    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": A})
+    interrupted.log_event(STARTED_TOPIC, {"keys": ["t"], "worker": A})
     interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": A, **ENDED})
     ts.state, ts.processing_on = "memory", None
     interrupted.transition("t", "processing", "memory")
@@ -136,7 +136,7 @@ def ended_then_died(told_by: str) -> SimpleNamespace:
     interrupted = plugin(sched)
     ts = task(sched, "t")
     processing(interrupted, ts, B)
-    interrupted.log_event(STARTED_TOPIC, {"key": "t", "worker": B})
+    interrupted.log_event(STARTED_TOPIC, {"keys": ["t"], "worker": B})
     interrupted.log_event(ENDED_TOPIC, {"key": "t", "worker": told_by, **ENDED})
     dies(interrupted, B, ts)
     return ts
