@@ -15,6 +15,8 @@ from prefect_gpu_dask._compat import current_worker
 def share_ephemeral_api(exit_stack: ExitStack) -> None:
     """Set ``PREFECT_API_URL`` to the flow's ephemeral server until ``exit_stack`` closes
     (a no-op where an API is configured, ephemeral servers are off, or on a Dask worker)."""
+    if current_worker() is not None:  # first: the engine enters a runner per task run there
+        return
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_SERVER_EPHEMERAL_ENABLED,
@@ -22,8 +24,6 @@ def share_ephemeral_api(exit_stack: ExitStack) -> None:
     )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
-    if current_worker() is not None:
         return
     from prefect.server.api.server import SubprocessASGIServer
 
