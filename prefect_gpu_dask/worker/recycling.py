@@ -11,12 +11,14 @@ event loop through ``client.run``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from distributed.core import Status
@@ -31,7 +33,7 @@ from prefect_gpu_dask.records import (
     STARTED_TOPIC,
     TaskRecord,
 )
-from prefect_gpu_dask.worker.taskwrap import refused
+from prefect_gpu_dask.worker.taskwrap import refused, with_around
 
 logger = logging.getLogger(__name__)
 
@@ -136,37 +138,49 @@ def _marks() -> tuple[Any, dict[str, Any]]:
 
 
 def announce_start() -> tuple[str | None, bool]:
-    """In a task, before its Prefect engine starts: tell the scheduler this task run is
-    starting on this worker (``InterruptedTasks`` remembers it until the task leaves the
-    worker), and wait until it has heard. Returns the worker that died running this task
-    before, if any, and whether that worker had started it (rather than only queued it)."""
+    """In a task: tell the scheduler this task run is starting on this worker
+    (``InterruptedTasks`` remembers it until the task leaves the worker), and wait until
+    it has heard. Returns the worker that died running this task before, if any, and
+    whether that worker had started it (rather than only queued it)."""
+    heard, dead, started_there = _start_notice()
+    heard()
+    return dead, started_there
+
+
+def _start_notice() -> tuple[Callable[[], None], str | None, bool]:
+    """Send this task's start notice; returns a wait for the scheduler's answer, and
+    ``announce_start``'s two marks."""
     key, marks = _marks()
-    if isinstance(key, str):
-        _tell_scheduler(current_worker(), key)
-    return marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
+    heard = _tell_scheduler(current_worker(), key) if isinstance(key, str) else _nothing_to_hear
+    return heard, marks.get(INTERRUPTED), bool(marks.get(STARTED_THERE))
 
 
-def _tell_scheduler(worker: Any, key: str) -> None:
-    """``STARTED_TOPIC`` for ``key``, over the worker's RPC to the scheduler, answered once
-    the scheduler has handled it: the task run's function never starts before the
-    scheduler knows. On the worker's batched stream the notice would leave with the
-    stream's next batch, which a process killed meanwhile (the task itself, the OOM
-    killer) never sends, and the run would be taken for one that never started."""
+def _nothing_to_hear() -> None:
+    return None
+
+
+def _tell_scheduler(worker: Any, key: str) -> Callable[[], None]:
+    """``STARTED_TOPIC`` for ``key``, over the worker's RPC to the scheduler; returns a
+    wait that ends once the scheduler has handled it, which the task run's function
+    passes before it starts. On the worker's batched stream alone the notice would
+    leave with the stream's next batch, which a process killed meanwhile (the task
+    itself, the OOM killer) never sends, and the run would be taken for one that never
+    started."""
     if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
         worker.log_event(STARTED_TOPIC, {"keys": [key], "worker": worker.address})
-        return
+        return _nothing_to_hear
     notices = _notices.get(worker)
     if notices is None:
         notices = _notices.setdefault(worker, StartNotices(worker))
-    notices.tell(key)
+    return notices.tell(key)
 
 
 class StartNotices:
     """One worker's start notices, each answered before its task run's function starts.
 
-    Task threads that start while a notice is on its way wait for the next, which
-    carries all of theirs: one round trip per batch, not per task run, on a worker
-    whose threads start tasks faster than the scheduler answers.
+    Notices made while one is on its way leave together in the next: one round trip per
+    batch, not per task run, on a worker whose threads start tasks faster than the
+    scheduler answers.
     """
 
     def __init__(self, worker: Any):
@@ -175,21 +189,26 @@ class StartNotices:
         self._waiting: list[tuple[str, threading.Event]] = []
         self._sending = False
 
-    def tell(self, key: str) -> None:
-        """Send ``key``'s notice (with others waiting) and wait until the scheduler has it."""
+    def tell(self, key: str) -> Callable[[], None]:
+        """Send ``key``'s notice (with others waiting); returns the wait for its answer."""
         heard = threading.Event()
         with self._lock:
             self._waiting.append((key, heard))
             send, self._sending = not self._sending, True
         if send:
             self.worker.loop.add_callback(self._send)
-        if not heard.wait(ANNOUNCE_TIMEOUT_S):
+
+        def wait() -> None:
+            if heard.wait(ANNOUNCE_TIMEOUT_S):
+                return
             logger.warning(
                 "The scheduler did not hear that %s started within %.0f s: sending it on the stream",
                 key,
                 ANNOUNCE_TIMEOUT_S,
             )
             self.worker.loop.add_callback(self.worker.log_event, STARTED_TOPIC, self._notice([key]))
+
+        return wait
 
     def _notice(self, keys: list[str]) -> dict[str, Any]:
         return {"keys": keys, "worker": self.worker.address}
@@ -255,6 +274,12 @@ def _final_state(task_run_state: Callable[[], Any], wait_s: float) -> Any:
         time.sleep(LOST_RESULT_POLL_S)
 
 
+@contextlib.contextmanager
+def _heard_first(heard: Callable[[], None]) -> Iterator[None]:
+    heard()
+    yield
+
+
 def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     """Before a task run's engine starts on this worker: ``(task to run, None)``, or
     ``(None, state)`` where the run is over already and ``state`` is what it returns.
@@ -269,7 +294,10 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     ``task_run_state``: the run's state in Prefect's API (None where it has none), asked
     only for such a task.
     """
-    dead, started_there = announce_start()
+    heard, dead, started_there = _start_notice()
+    # Prefect's engine starts while the scheduler hears of it; the function waits for that.
+    if heard is not _nothing_to_hear:
+        task = with_around(task, functools.partial(_heard_first, heard))
     lost = result_lost()
     if dead is None and not lost:
         return task, None
