@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -274,10 +273,21 @@ def _final_state(task_run_state: Callable[[], Any], wait_s: float) -> Any:
         time.sleep(LOST_RESULT_POLL_S)
 
 
-@contextlib.contextmanager
-def _heard_first(heard: Callable[[], None]) -> Iterator[None]:
-    heard()
-    yield
+class HeardFirst:
+    """The ``around`` of a task run's function: it waits for the scheduler to have heard
+    the run start. Pickled with the task run's context (an out-of-memory retry's attempt
+    on another worker), it waits for nothing: that run's first attempt had the answer."""
+
+    def __init__(self, heard: Callable[[], None]):
+        self._heard = heard
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self._heard()
+        yield
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HeardFirst, (_nothing_to_hear,))
 
 
 def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
@@ -297,7 +307,7 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     heard, dead, started_there = _start_notice()
     # Prefect's engine starts while the scheduler hears of it; the function waits for that.
     if heard is not _nothing_to_hear:
-        task = with_around(task, functools.partial(_heard_first, heard))
+        task = with_around(task, HeardFirst(heard))
     lost = result_lost()
     if dead is None and not lost:
         return task, None
