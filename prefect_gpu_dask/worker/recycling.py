@@ -221,7 +221,10 @@ class StartNotices:
                     return
             keys = [key for key, _ in batch]
             try:
-                await self.worker.scheduler.log_event(topic=STARTED_TOPIC, msg=self._notice(keys))
+                await asyncio.wait_for(
+                    self.worker.scheduler.log_event(topic=STARTED_TOPIC, msg=self._notice(keys)),
+                    ANNOUNCE_TIMEOUT_S,
+                )
             except Exception as exc:  # the stream still carries them, later
                 logger.warning(
                     "Could not tell the scheduler that %d task run(s) started (%r): sending on the stream",
