@@ -111,3 +111,28 @@ def check_cube(value: Any) -> float:
     value = float(value)
     assert abs(value - 11) < 0.01, f"speed-cube mean {value} is not ~11"
     return value
+
+
+def against_thread_pool(runs: dict[str, list[float]], heading: str, out: str | None, tasks: int) -> None:
+    """Print each runner's rounds beside ``runs["thread pool"]`` as a table under
+    ``heading``, and write them as JSON to ``out`` (with the device and core count)."""
+    import json
+
+    pool = statistics.median(runs["thread pool"])
+    print(f"# {device_name()}, {os.cpu_count()} cores; {heading}")
+    print("| runner | median s | p95 s | / thread pool | rounds |")
+    print("|---|---:|---:|---:|---|")
+    rows = []
+    for name, values in runs.items():
+        row = {"runner": name, "median_s": statistics.median(values), "p95_s": p95(values), "runs_s": values}
+        row["over_thread_pool"] = row["median_s"] / pool
+        rows.append(row)
+        print(
+            f"| {name} | {row['median_s']:.3f} | {row['p95_s']:.3f} | {row['over_thread_pool']:.2f} |"
+            f" {', '.join(f'{v:.3f}' for v in values)} |"
+        )
+    if out:
+        with open(out, "w") as f:
+            json.dump(
+                {"device": device_name(), "cores": os.cpu_count(), "tasks": tasks, "rows": rows}, f, indent=1
+            )

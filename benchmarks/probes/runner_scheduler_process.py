@@ -8,15 +8,13 @@ Prefect's thread pool. Same worker shape in both: one worker, 8 threads. Guard o
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import WARM_TASKS, device_name, p95, use_readme_default  # noqa: E402
+from benchmarks.common import WARM_TASKS, against_thread_pool, use_readme_default  # noqa: E402
 
 THREADS = 8
 IN_FLOW = "runner, scheduler in the flow's process"
@@ -68,28 +66,7 @@ def main() -> None:
                 )
             )
             runs[OWN].append(timed(GPUDaskTaskRunner(address=address, guard="off")))
-    pool = statistics.median(runs["thread pool"])
-    rows = []
-    print(
-        f"# {device_name()}, {os.cpu_count()} cores; {args.tasks} trivial tasks, {args.rounds} rounds, warm"
-    )
-    print("| runner | median s | p95 s | / thread pool | rounds |")
-    print("|---|---:|---:|---:|---|")
-    for name, values in runs.items():
-        row = {"runner": name, "median_s": statistics.median(values), "p95_s": p95(values), "runs_s": values}
-        row["over_thread_pool"] = row["median_s"] / pool
-        rows.append(row)
-        print(
-            f"| {name} | {row['median_s']:.3f} | {row['p95_s']:.3f} | {row['over_thread_pool']:.2f} |"
-            f" {', '.join(f'{v:.3f}' for v in values)} |"
-        )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {"device": device_name(), "cores": os.cpu_count(), "tasks": args.tasks, "rows": rows},
-                f,
-                indent=1,
-            )
+    against_thread_pool(runs, f"{args.tasks} trivial tasks, {args.rounds} rounds, warm", args.out, args.tasks)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,12 @@ event loop waits for a busy task thread to hand over the GIL, up to one switch i
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import WARM_TASKS, device_name, p95, use_readme_default  # noqa: E402
+from benchmarks.common import WARM_TASKS, against_thread_pool, use_readme_default  # noqa: E402
 
 THREADS = 8
 INTERVALS_S = {"runner, worker switch interval 5 ms": 0.005, "runner, worker switch interval 1 ms": 0.001}
@@ -73,29 +70,15 @@ def main() -> None:
         api_caught_up(flow_run_id, args.tasks + WARM_TASKS)
         pool_runs.append(elapsed)
     runs = {"thread pool": pool_runs, **on_runner()}
-    pool = statistics.median(pool_runs)
-    print(
-        f"# {device_name()}, {os.cpu_count()} cores; {args.tasks} trivial tasks, {args.rounds} rounds, warm;"
-        f" one worker of {THREADS} threads, guard off; the two runner rows alternate in one flow run"
+    against_thread_pool(
+        runs,
+        (
+            f"{args.tasks} trivial tasks, {args.rounds} rounds, warm;"
+            f" one worker of {THREADS} threads, guard off; the two runner rows alternate in one flow run"
+        ),
+        args.out,
+        args.tasks,
     )
-    print("| runner | median s | p95 s | / thread pool | rounds |")
-    print("|---|---:|---:|---:|---|")
-    rows: list[dict[str, Any]] = []
-    for name, values in runs.items():
-        row = {"runner": name, "median_s": statistics.median(values), "p95_s": p95(values), "runs_s": values}
-        row["over_thread_pool"] = row["median_s"] / pool
-        rows.append(row)
-        print(
-            f"| {name} | {row['median_s']:.3f} | {row['p95_s']:.3f} | {row['over_thread_pool']:.2f} |"
-            f" {', '.join(f'{v:.3f}' for v in values)} |"
-        )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {"device": device_name(), "cores": os.cpu_count(), "tasks": args.tasks, "rows": rows},
-                f,
-                indent=1,
-            )
 
 
 if __name__ == "__main__":
