@@ -2,7 +2,10 @@
 
 ``HealthReadings`` is what one check reads from NVML; ``judge`` turns readings into a
 ``HealthVerdict`` and touches nothing; ``HealthMonitor`` reads and judges once per
-``check()`` and keeps the little state a verdict needs across checks. Tests drive the
+``check()`` and keeps the little state a verdict needs across checks. Before each task,
+``screen()`` reads everything again only where the reader cannot vouch that nothing
+changed since the last check (``NvmlHealthReader.quiet``: no Xid event waiting, the same
+ECC count). Tests drive the
 monitor with a plain callable returning readings; ``HealthMonitor.for_this_worker()``
 builds the NVML reader (``pynvml`` is imported inside functions only, so the package
 imports and runs on machines without a GPU).
@@ -185,6 +188,7 @@ class HealthMonitor:
         self.limits: tuple[str, ...] = tuple(limits if limits is not None else getattr(reader, "limits", ()))
         self._slowdowns = 0
         self._critical: tuple[int, ...] = ()
+        self._last: HealthVerdict | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -227,9 +231,22 @@ class HealthMonitor:
                         x for x in readings.xid_events if x in CRITICAL_XIDS and x not in self._critical
                     )
                 )
-            verdict = judge(readings, self._slowdowns, self.slowdown_checks)
+            verdict = self._last = judge(readings, self._slowdowns, self.slowdown_checks)
             self._slowdowns = self._slowdowns + 1 if readings.hw_slowdown else 0
             return verdict
+
+    def screen(self) -> HealthVerdict:
+        """The verdict right before a task: the last check's where that one was healthy
+        and the reader vouches that nothing which quarantines has happened since
+        (its ``quiet()``), else a new ``check()``. A reader without ``quiet`` is read
+        in full every time."""
+        quiet = getattr(self._reader, "quiet", None)
+        if quiet is not None:
+            with self._lock:
+                last = self._last
+                if last is not None and last.healthy and quiet():
+                    return last
+        return self.check()
 
     def close(self) -> None:
         close = getattr(self._reader, "close", None)
@@ -250,6 +267,13 @@ class NvmlHealthReader:
     and named in ``limits``. In a check, a reading that raises gives None for its
     fields; ``GPU_IS_LOST`` and ``RESET_REQUIRED`` set their flags. Xid events are
     drained without waiting.
+
+    ``quiet()`` is the cheap reading before each task: every condition that quarantines
+    a GPU raises a critical Xid when it happens (ECC errors 48, 94, 95; row remapping or
+    page retirement 63, 64; a lost GPU 79; and the rest of ``CRITICAL_XIDS``), and
+    a lost GPU fails any call. So where Xid events are registered, one look at the
+    event queue and the ECC count says whether a full reading can tell anything new.
+    The hardware-slowdown streak is counted over full checks (the timer's).
     """
 
     def __init__(self, handle: Any):
@@ -270,6 +294,8 @@ class NvmlHealthReader:
         self._xid_type = p.nvmlEventTypeXidCriticalError
         self._wait = getattr(p, "nvmlEventSetWait_v2", None) or p.nvmlEventSetWait
         self._events = self._open_events(limits)
+        self._waiting: list[Any] = []  # events quiet() took off the queue, for the next reading
+        self._ecc_seen: int | None = None
         self._quiet = frozenset(_quiet_codes(p))
         self.limits = tuple(limits)
 
@@ -332,7 +358,7 @@ class NvmlHealthReader:
                 failed.append((name, error.value))
                 return None
 
-        errors = ask("ECC", nvml.ecc_volatile_uncorrectable, self._ecc)
+        errors = self._ecc_seen = ask("ECC", nvml.ecc_volatile_uncorrectable, self._ecc)
         pending = ask("page retirement", nvml.retired_pages_pending, self._retired)
         rows = ask("row remapping", nvml.remapped_rows, self._rows)
         reasons = ask("clocks", nvml.clock_event_reasons, self._clocks)
@@ -351,17 +377,42 @@ class NvmlHealthReader:
             unanswered=tuple(name for name, code in failed if code not in self._quiet),
         )
 
+    def quiet(self) -> bool:
+        """Whether a full reading now would find what the last one did: Xid events are
+        registered, none is waiting, and the ECC count has not moved. An event found
+        here waits for the next full reading; any failure says "not quiet"."""
+        if self._events is None or self._ecc_seen is None and self._ecc:
+            return False
+        p = self._nvml
+        try:
+            self._waiting.append(self._wait(self._events, 0))
+            return False
+        except p.NVMLError as error:
+            if error.value != p.NVML_ERROR_TIMEOUT:
+                return False
+        if not self._ecc:
+            return True
+        try:
+            return nvml.ecc_volatile_uncorrectable(self._device) == self._ecc_seen
+        except p.NVMLError:
+            return False
+
     def _drain_xids(self, failed: list[tuple[str, int]]) -> tuple[int, ...]:
         p, xids = self._nvml, []
+        waiting, self._waiting = self._waiting, []
         for _ in range(MAX_EVENTS_PER_CHECK):
-            try:
-                data = self._wait(self._events, 0)
-            except p.NVMLError as error:
-                if error.value != p.NVML_ERROR_TIMEOUT:  # timeout: no event waiting
-                    failed.append(("Xid events", error.value))
-                break
+            if waiting:
+                data = waiting.pop(0)
+            else:
+                try:
+                    data = self._wait(self._events, 0)
+                except p.NVMLError as error:
+                    if error.value != p.NVML_ERROR_TIMEOUT:  # timeout: no event waiting
+                        failed.append(("Xid events", error.value))
+                    break
             if data.eventType == self._xid_type and self._concerns_us(data):
                 xids.append(int(data.eventData))
+        self._waiting = waiting  # more than one check's worth: the next check's
         return tuple(xids)
 
     def _concerns_us(self, data: Any) -> bool:

@@ -90,12 +90,13 @@ class HealthWatch:
             timer.stop()
         self.monitor.close()
 
-    def check(self) -> HealthVerdict | None:
-        """Judge the GPU now; the unhealthy verdict is kept (a quarantine never lifts)."""
+    def check(self, before_task: bool = False) -> HealthVerdict | None:
+        """Judge the GPU now (``before_task``: as ``HealthMonitor.screen`` does); the
+        unhealthy verdict is kept (a quarantine never lifts)."""
         with self._lock:
             if self._verdict is not None:
                 return self._verdict
-            verdict = self.monitor.check()
+            verdict = self.monitor.screen() if before_task else self.monitor.check()
             for warning in set(verdict.warnings) - self._warned:
                 self._warned.add(warning)
                 logger.warning("GPU %s on %s: %s", self.gpu.uuid, self.worker.address, warning)
@@ -154,7 +155,7 @@ class HealthWatch:
 
     def screen(self) -> GPUQuarantine | None:
         """In a worker thread, before a ``gpu`` task: this GPU's quarantine, if it is sick."""
-        if self.check() is None:
+        if self.check(before_task=True) is None:
             return None
         if self.quarantine is None or not self.quarantine.withdrawn:
             from distributed.utils import sync

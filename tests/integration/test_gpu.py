@@ -411,18 +411,24 @@ def health_on_this_worker(checks: int) -> dict:
     from prefect_gpu_dask.worker.guard import current_guard
 
     watch = current_guard().health
-    timings = []
+    timings, screens = [], []
     for _ in range(checks):
         started = time.perf_counter()
         verdict = watch.monitor.check()
         timings.append(time.perf_counter() - started)
+    for _ in range(checks):
+        started = time.perf_counter()
+        screened = watch.monitor.screen()
+        screens.append(time.perf_counter() - started)
     return {
-        "healthy": verdict.healthy,
+        "healthy": verdict.healthy and screened.healthy,
         "reasons": verdict.reasons,
         "warnings": verdict.warnings,
         "limits": watch.monitor.limits,
+        "quiet": watch.monitor._reader.quiet(),
         "median_us": statistics.median(timings) * 1e6,
         "p95_us": sorted(timings)[int(0.95 * (checks - 1))] * 1e6,
+        "screen_median_us": statistics.median(screens) * 1e6,
         "quarantined": watch.quarantine is not None,
     }
 
@@ -442,6 +448,10 @@ def test_real_gpu_health_is_checked_through_nvml_and_healthy_gpus_run_their_task
         print("health:", report)
     assert quarantines == ()
     assert all(r["healthy"] and not r["quarantined"] for r in reports)
+    # Where Xid events are registered, the screen before each task vouches for the last
+    # check without reading everything again.
+    xids_checked = not any(limit.startswith("Xid events not checked") for limit in reports[0]["limits"])
+    assert all(r["quiet"] == xids_checked for r in reports)
 
 
 @task(tags=["gpu"])

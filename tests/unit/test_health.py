@@ -193,6 +193,50 @@ def test_a_critical_xid_stays_in_later_verdicts():
     assert later.reasons == ("Xid 79 (GPU fell off the bus)", "Xid 48 (double-bit ECC error)")
 
 
+def test_screen_reads_everything_where_the_reader_cannot_vouch():
+    monitor = HealthMonitor(scripted(OK, readings(ecc_volatile_uncorrectable=1)))
+    assert monitor.screen().healthy
+    assert monitor.screen().reasons == ("1 volatile uncorrectable ECC error",)
+
+
+class Vouching:
+    """Scripted readings with a ``quiet()`` that says whether they changed."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.current = OK
+        self.reads = 0
+
+    def quiet(self):
+        return not self.answers or self.answers[0] == self.current
+
+    def __call__(self):
+        self.reads += 1
+        if self.answers:
+            self.current = self.answers.pop(0)
+        return self.current
+
+
+def test_screen_keeps_a_healthy_verdict_while_the_reader_is_quiet():
+    reader = Vouching(OK, OK, OK)
+    monitor = HealthMonitor(reader)
+    first = monitor.screen()  # no verdict yet: a full reading
+    assert first.healthy and reader.reads == 1
+    assert all(monitor.screen() is first for _ in range(10))
+    assert reader.reads == 1
+    reader.answers = [readings(xid_events=(95,))]
+    assert monitor.screen().reasons == ("Xid 95 (uncontained uncorrectable ECC error)",)
+    assert reader.reads == 2
+
+
+def test_screen_never_keeps_an_unhealthy_verdict_unread():
+    reader = Vouching(readings(row_remap_failure=True), OK)
+    monitor = HealthMonitor(reader)
+    assert not monitor.screen().healthy
+    reader.answers = [OK]
+    assert monitor.screen().healthy and reader.reads == 2
+
+
 def test_monitor_limits_come_from_the_reader_once():
     class Reader:
         limits = ("Xid events not checked: registration refused (Not Supported)",)
@@ -377,6 +421,49 @@ def test_reader_leaves_an_event_storm_for_the_next_check(fake):
     fake.events = [xid(13)] * (health.MAX_EVENTS_PER_CHECK + 5)
     assert len(reader().xid_events) == health.MAX_EVENTS_PER_CHECK
     assert len(reader().xid_events) == 5
+
+
+def test_quiet_while_no_event_waits_and_the_ecc_count_holds(fake):
+    reader = NvmlHealthReader("handle")
+    assert not reader.quiet()  # nothing read yet
+    reader()
+    assert reader.quiet()
+    fake.answers["nvmlDeviceGetTotalEccErrors"] = 1
+    assert not reader.quiet()
+    assert reader().ecc_volatile_uncorrectable == 1
+    assert reader.quiet()
+
+
+def test_an_event_quiet_finds_waits_for_the_next_reading(fake):
+    reader = NvmlHealthReader("handle")
+    reader()
+    fake.events = [xid(79), xid(13)]
+    assert not reader.quiet()
+    assert reader().xid_events == (79, 13)  # the one quiet() took comes first
+    assert reader.quiet()
+
+
+def test_a_gpu_lost_is_never_quiet(fake):
+    reader = NvmlHealthReader("handle")
+    reader()
+    fake.events = [Fail(fake.NVML_ERROR_GPU_IS_LOST)]
+    assert not reader.quiet()
+    fake.fail(fake.NVML_ERROR_GPU_IS_LOST, ["nvmlDeviceGetTotalEccErrors"])
+    assert not reader.quiet()
+
+
+def test_without_xid_events_every_screen_reads_everything(fake):
+    fake.answers["nvmlDeviceRegisterEvents"] = Fail(fake.NVML_ERROR_NOT_SUPPORTED)
+    reader = NvmlHealthReader("handle")
+    reader()
+    assert not reader.quiet()
+
+
+def test_screen_on_nvml_sees_an_ecc_error_before_the_next_task(fake):
+    monitor = HealthMonitor(NvmlHealthReader("handle"))
+    assert monitor.screen().healthy and monitor.screen().healthy
+    fake.answers["nvmlDeviceGetTotalEccErrors"] = 2
+    assert monitor.screen().reasons == ("2 volatile uncorrectable ECC errors",)
 
 
 def test_xid_registration_refused_is_said_once_in_limits(fake):
