@@ -5,7 +5,7 @@
 ``check()`` and keeps the little state a verdict needs across checks. Before each task,
 ``screen()`` reads everything again only where the reader cannot vouch that nothing
 changed since the last check (``NvmlHealthReader.quiet``: no Xid event waiting, the same
-ECC count). Tests drive the
+ECC count, no hardware slowdown). Tests drive the
 monitor with a plain callable returning readings; ``HealthMonitor.for_this_worker()``
 builds the NVML reader (``pynvml`` is imported inside functions only, so the package
 imports and runs on machines without a GPU).
@@ -269,11 +269,11 @@ class NvmlHealthReader:
     drained without waiting.
 
     ``quiet()`` is the cheap reading before each task: every condition that quarantines
-    a GPU raises a critical Xid when it happens (ECC errors 48, 94, 95; row remapping or
-    page retirement 63, 64; a lost GPU 79; and the rest of ``CRITICAL_XIDS``), and
-    a lost GPU fails any call. So where Xid events are registered, one look at the
-    event queue and the ECC count says whether a full reading can tell anything new.
-    The hardware-slowdown streak is counted over full checks (the timer's).
+    a GPU but a slowdown raises an Xid when it happens (ECC errors 48, 94, 95; row
+    remapping or page retirement 63, 64; a lost GPU 79; and the rest of
+    ``CRITICAL_XIDS``), and a lost GPU or one that needs a reset fails device queries.
+    So where Xid events are registered, the event queue, the ECC count and the clock
+    event reasons (the slowdown) say whether a full reading can tell anything new.
     """
 
     def __init__(self, handle: Any):
@@ -379,9 +379,12 @@ class NvmlHealthReader:
 
     def quiet(self) -> bool:
         """Whether a full reading now would find what the last one did: Xid events are
-        registered, none is waiting, and the ECC count has not moved. An event found
-        here waits for the next full reading; any failure says "not quiet"."""
-        if self._events is None or self._ecc_seen is None and self._ecc:
+        registered, none is waiting (nor kept from an earlier look), the ECC count has
+        not moved, and the clocks show no hardware slowdown. An event found here waits
+        for the next full reading; any failure says "not quiet"."""
+        if self._events is None or self._waiting or (self._ecc and self._ecc_seen is None):
+            return False
+        if not (self._ecc or self._clocks):  # no device reading to vouch with
             return False
         p = self._nvml
         try:
@@ -390,11 +393,12 @@ class NvmlHealthReader:
         except p.NVMLError as error:
             if error.value != p.NVML_ERROR_TIMEOUT:
                 return False
-        if not self._ecc:
-            return True
         try:
-            return nvml.ecc_volatile_uncorrectable(self._device) == self._ecc_seen
-        except p.NVMLError:
+            if self._ecc and nvml.ecc_volatile_uncorrectable(self._device) != self._ecc_seen:
+                return False
+            # A slowdown raises no Xid: while it lasts, every screen is a full check.
+            return not (self._clocks and (nvml.clock_event_reasons(self._device) or 0) & self._slowdown_mask)
+        except p.NVMLError:  # a lost GPU, a reset needed: the full check says which
             return False
 
     def _drain_xids(self, failed: list[tuple[str, int]]) -> tuple[int, ...]:

@@ -404,6 +404,12 @@ def test_workers_advertise_their_gpu_model_and_memory_and_tags_route_on_them():
     assert too_big.is_failed() and "GPU-MEM" in too_big.message
 
 
+def quiet(monitor) -> bool:
+    """Whether the monitor's NVML reader vouches for its last check now (as a screen asks)."""
+    with monitor._lock:  # the health timer reads on the event loop meanwhile
+        return monitor._reader.quiet()
+
+
 @task(tags=["gpu"])
 def health_on_this_worker(checks: int) -> dict:
     import statistics
@@ -425,7 +431,7 @@ def health_on_this_worker(checks: int) -> dict:
         "reasons": verdict.reasons,
         "warnings": verdict.warnings,
         "limits": watch.monitor.limits,
-        "quiet": watch.monitor._reader.quiet(),
+        "quiet": quiet(watch.monitor),
         "median_us": statistics.median(timings) * 1e6,
         "p95_us": sorted(timings)[int(0.95 * (checks - 1))] * 1e6,
         "screen_median_us": statistics.median(screens) * 1e6,

@@ -230,11 +230,11 @@ def test_screen_keeps_a_healthy_verdict_while_the_reader_is_quiet():
 
 
 def test_screen_never_keeps_an_unhealthy_verdict_unread():
-    reader = Vouching(readings(row_remap_failure=True), OK)
+    reader = Vouching(readings(row_remap_failure=True))
     monitor = HealthMonitor(reader)
     assert not monitor.screen().healthy
-    reader.answers = [OK]
-    assert monitor.screen().healthy and reader.reads == 2
+    assert reader.quiet()  # the reader vouches, yet a sick verdict is read again
+    assert not monitor.screen().healthy and reader.reads == 2
 
 
 def test_monitor_limits_come_from_the_reader_once():
@@ -450,6 +450,58 @@ def test_a_gpu_lost_is_never_quiet(fake):
     assert not reader.quiet()
     fake.fail(fake.NVML_ERROR_GPU_IS_LOST, ["nvmlDeviceGetTotalEccErrors"])
     assert not reader.quiet()
+
+
+def test_an_event_kept_from_an_earlier_look_is_never_quiet(fake):
+    reader = NvmlHealthReader("handle")
+    reader()
+    fake.events = [xid(95)]
+    assert not reader.quiet()
+    assert not reader.quiet()  # the queue is empty now, but Xid 95 still waits
+    assert reader().xid_events == (95,)
+
+
+def test_events_beyond_one_check_wait_for_the_next(fake, monkeypatch):
+    monkeypatch.setattr(health, "MAX_EVENTS_PER_CHECK", 1)
+    reader = NvmlHealthReader("handle")
+    reader()
+    fake.events = [xid(79)]
+    assert not reader.quiet()  # took Xid 79 off the queue
+    fake.events = [xid(13)]
+    assert reader().xid_events == (79,)
+    assert not reader.quiet()
+    assert reader().xid_events == (13,)
+    assert reader.quiet()
+
+
+def test_a_hardware_slowdown_is_never_quiet(fake):
+    reader = NvmlHealthReader("handle")
+    reader()
+    fake.answers["nvmlDeviceGetCurrentClocksEventReasons"] = 0x8  # hw_slowdown
+    assert not reader.quiet()
+    fake.answers["nvmlDeviceGetCurrentClocksEventReasons"] = 0x4  # sw_power_cap: no slowdown
+    assert reader.quiet()
+
+
+def test_with_ecc_off_the_clocks_vouch(fake):
+    fake.answers["nvmlDeviceGetEccMode"] = (0, 0)
+    reader = NvmlHealthReader("handle")
+    reader()
+    assert reader.quiet()
+    fake.fail(fake.NVML_ERROR_GPU_IS_LOST, ["nvmlDeviceGetCurrentClocksEventReasons"])
+    assert not reader.quiet()
+    fake.fail(fake.NVML_ERROR_RESET_REQUIRED, ["nvmlDeviceGetCurrentClocksEventReasons"])
+    assert not reader.quiet()
+
+
+def test_a_failed_ecc_reading_is_never_quiet(fake):
+    reader = NvmlHealthReader("handle")
+    fake.fail(fake.NVML_ERROR_UNKNOWN, ["nvmlDeviceGetTotalEccErrors"])
+    reader()
+    fake.answers["nvmlDeviceGetTotalEccErrors"] = 0
+    assert not reader.quiet()  # the last full reading had no ECC count to compare with
+    reader()
+    assert reader.quiet()
 
 
 def test_without_xid_events_every_screen_reads_everything(fake):
