@@ -247,6 +247,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     @property
     def client(self) -> PrefectDaskClient:
         if self._client is None:
+            # Before the first subscription: on a shared cluster, another flow run's
+            # hung-task and leak events reach this client too, and must not be taken for ours.
+            self._note_flow_run()
             client, self._can_grow = clusters.start_or_join(self)
             self._offers = WorkerOffers.of_client(client)
             self._resource_wait = ResourceWait(
@@ -322,10 +325,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     ) -> PrefectDaskFuture[R]:
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
+        self._note_flow_run()
         self.client  # noqa: B018  # start the cluster before routing needs its workers
-        if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
-            self._flow_run_id = str(ctx.flow_run.id)
-            self._flow_name = ctx.flow.name if ctx.flow is not None else None
         # Routed under the recycler's hold: a worker being recycled is not "missing".
         with self._recycler.submissions():
             route = self.router.route(
@@ -369,6 +370,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _wait_s(self) -> float:
         """How long a task waits for a worker offering its resources: none where none can join."""
         return self.settings.gpu_wait_s if self._can_grow else 0.0
+
+    def _note_flow_run(self) -> None:
+        """Remember the flow run this runner serves, from the context it runs in."""
+        if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
+            self._flow_run_id = str(ctx.flow_run.id)
+            self._flow_name = ctx.flow.name if ctx.flow is not None else None
 
     def _ours(self, flow_run_id: str | None) -> bool:
         """Whether an event naming ``flow_run_id`` is about this runner's flow run."""

@@ -6,16 +6,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
+from uuid import uuid4
 
 from distributed import Client
 from prefect import flow, task
+from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL
 
 from prefect_gpu_dask import GPUDaskTaskRunner, read_flow_run_gpu_report
 from prefect_gpu_dask.flow.flow_run_report import FlowRunGPUReport
-from prefect_gpu_dask.records import LEAK
+from prefect_gpu_dask.records import HUNG_TOPIC, LEAK, HungTask
 from tests.scripted_probe import FAKE_PROBE, leak
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,3 +101,37 @@ def test_flow_runs_leave_no_event_subscriptions_on_a_long_lived_scheduler(dask_p
         keeping(dask_processes.address, "256MiB")  # a leak, a recycle
         keeping(dask_processes.address, "2GiB")
         assert set(monitor.run_on_scheduler(subscribed).values()) == {0}, monitor.run_on_scheduler(subscribed)
+
+
+def test_another_flow_runs_hung_task_heard_before_this_ones_first_task_is_left_alone(dask_processes):
+    """A runner hears every hung-task event on a shared cluster from the moment its client
+    joins. One naming another flow run, heard before this run submitted anything, is
+    that run's to end: this runner neither marks it nor restarts its worker."""
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("gpu", "--nthreads", "2", "--resources", "GPU=1")
+    dask_processes.wait_for_workers(1)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE))
+    def joins_then_hears() -> tuple:
+        runner = FlowRunContext.get().task_runner
+        client = runner.client  # joined and subscribed; nothing submitted yet
+        [(worker, pid)] = client.run(os.getpid).items()
+        hung = HungTask(
+            task_run_id=str(uuid4()),
+            task_run_name="elsewhere",
+            flow_run_id=str(uuid4()),
+            key="elsewhere-key",
+            worker=worker,
+            worker_name="gpu",
+            pid=pid,
+            timeout_s=1.0,
+            running_s=2.0,
+        )
+        with Client(dask_processes.address, set_as_default=False) as other:
+            other.log_event(HUNG_TOPIC, hung.to_event())
+        time.sleep(4.0)  # a restart it started would be done by now
+        return runner.restarts, pid, list(client.run(os.getpid).values())
+
+    restarts, pid, pids_after = joins_then_hears()
+    assert restarts == ()
+    assert pids_after == [pid]
