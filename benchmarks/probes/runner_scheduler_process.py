@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import WARM_TASKS, against_thread_pool, use_readme_default  # noqa: E402
+from benchmarks.common import against_thread_pool, use_readme_default  # noqa: E402
 
 THREADS = 8
 IN_FLOW = "runner, scheduler in the flow's process"
@@ -29,30 +28,14 @@ def main() -> None:
     args = parser.parse_args()
     use_readme_default("scheduler-process")
 
-    from prefect import flow, task
-    from prefect.context import FlowRunContext
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from benchmarks.probes.start_notice_rtt import own_process_scheduler
-    from benchmarks.sections.tasks import api_caught_up
+    from benchmarks.sections.tasks import timed_trivial_batch
     from prefect_gpu_dask import GPUDaskTaskRunner
 
-    @task
-    def noop(i: int) -> int:
-        return i
-
     def timed(runner: Any) -> float:
-        @flow(task_runner=runner)
-        def many() -> tuple[float, str]:
-            getattr(FlowRunContext.get().task_runner, "client", None)
-            assert all(f.result() < 0 for f in noop.map(range(-WARM_TASKS, 0)))
-            start = time.perf_counter()
-            assert [f.result() for f in noop.map(range(args.tasks))] == list(range(args.tasks))
-            return time.perf_counter() - start, str(FlowRunContext.get().flow_run.id)
-
-        elapsed, flow_run_id = many()
-        api_caught_up(flow_run_id, args.tasks + WARM_TASKS)
-        return elapsed
+        return timed_trivial_batch(runner, args.tasks)
 
     runs: dict[str, list[float]] = {"thread pool": [], IN_FLOW: [], OWN: []}
     with own_process_scheduler() as address:

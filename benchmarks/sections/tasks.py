@@ -77,6 +77,29 @@ def bench_per_task(n: int, gpu: bool, repeat: int = 1) -> dict[str, Any]:
     return out
 
 
+def timed_trivial_batch(runner: Any, tasks: int) -> float:
+    """Seconds for ``tasks`` trivial task runs through ``runner``, in a flow run of their
+    own, warm: after its cluster started and ``WARM_TASKS`` ran; the API caught up after."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    @task
+    def noop(i: int) -> int:
+        return i
+
+    @flow(task_runner=runner)
+    def many() -> tuple[float, str]:
+        getattr(FlowRunContext.get().task_runner, "client", None)  # start the cluster first
+        assert all(f.result() < 0 for f in noop.map(range(-WARM_TASKS, 0)))
+        start = time.perf_counter()
+        assert [f.result() for f in noop.map(range(tasks))] == list(range(tasks))
+        return time.perf_counter() - start, str(FlowRunContext.get().flow_run.id)
+
+    elapsed, flow_run_id = many()
+    api_caught_up(flow_run_id, tasks + WARM_TASKS)
+    return elapsed
+
+
 def api_caught_up(flow_run_id: str, task_runs: int, timeout: float = 60) -> None:
     """Wait until the API server has recorded a flow run's task runs.
 
