@@ -40,6 +40,7 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.flow.results import ReadAhead
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     LOST,
@@ -533,9 +534,20 @@ def is_moved(future: Any) -> bool:
 class RecyclableFuture(PrefectDaskFuture):
     """The runner's ``PrefectDaskFuture``: its result may move into the flow while a
     thread waits on it. The move lets Dask forget the key, which cancels that wait;
-    the waiter gets the moved state instead of ``CancelledError``."""
+    the waiter gets the moved state instead of ``CancelledError``. Its state is
+    fetched by ``read_ahead`` where the runner gave it one (``flow.results``)."""
+
+    read_ahead: ReadAhead | None = None
+
+    def _fetched(self, timeout: float | None) -> bool:
+        """Whether the final state is here, fetching it (and others) where it can."""
+        if _compat.future_final_state(self) is not None:
+            return True
+        return self.read_ahead is not None and self.read_ahead.fetch(self, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
+        if self._fetched(timeout) or (self.read_ahead is not None and not self.wrapped_future.done()):
+            return  # fetched, or still running after ``timeout``
         try:
             super().wait(timeout)
         except CancelledError:
@@ -543,6 +555,8 @@ class RecyclableFuture(PrefectDaskFuture):
                 raise
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        if not self._fetched(timeout) and self.read_ahead is not None and not self.wrapped_future.done():
+            timeout = 0  # ``timeout`` has passed already: Prefect's own path says so
         try:
             return super().result(timeout, raise_on_failure)
         except CancelledError:

@@ -274,6 +274,16 @@ def lost(why: str) -> dict[str, Any]:
     return {"outcome": LOST, "why": why}
 
 
+def result_sizes(keys: list[str], dask_scheduler: Any = None) -> dict[str, int]:
+    """The size of each held task run result among ``keys``, as its worker told it on
+    ``ENDED_TOPIC`` (``InterruptedTasks``); a key without one is left out."""
+    plugin = dask_scheduler.plugins.get(InterruptedTasks.name)
+    if plugin is None:
+        return {}
+    sizes = {key: (plugin.ended.get(key) or {}).get("nbytes") for key in keys}
+    return {key: n for key, n in sizes.items() if isinstance(n, int)}
+
+
 def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -> None:
     """Mark tasks that die with ``worker`` as ``InterruptedTasks`` would, however the
     worker leaves: a hung task must not run again on the next worker."""
@@ -368,7 +378,7 @@ class InterruptedTasks(SchedulerPlugin):
             key, worker = msg.get("key"), msg.get("worker")
             ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
             if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
-                self.ended[key] = {k: msg.get(k) for k in ("type", "name", "message")}
+                self.ended[key] = {k: msg.get(k) for k in ("type", "name", "message", "nbytes")}
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:

@@ -20,8 +20,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dask.sizeof import sizeof
 from distributed.core import Status
 
+from prefect_gpu_dask import _compat
 from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.records import (
@@ -244,13 +246,22 @@ def announce_end(state: Any) -> None:
     result leaves: tell the scheduler how the run ended, on the worker's stream, ahead of
     the task's own completion (``InterruptedTasks`` keeps it while the result is held).
     A worker that dies holding the result has then told how the run ended, which Prefect's
-    API hears from events the dying process may not have sent."""
+    API hears from events the dying process may not have sent. It tells the result's size
+    too, which the flow reads before fetching a state it has not asked for yet."""
     key, _ = _marks()
     worker = current_worker()
     if not isinstance(key, str) or worker is None or getattr(state, "type", None) is None:
         return
     ended = {"key": key, "worker": worker.address, "type": state.type.value, "name": state.name}
-    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message})
+    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message, "nbytes": result_nbytes(state)})
+
+
+def result_nbytes(state: Any) -> int | None:
+    """Bytes of the value ``state`` carries (Dask's ``sizeof``), None where it cannot say."""
+    try:
+        return sizeof(_compat.state_payload(state))
+    except Exception:
+        return None
 
 
 def result_lost() -> dict[str, Any] | bool:

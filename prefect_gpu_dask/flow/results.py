@@ -1,0 +1,97 @@
+"""Fetching task runs' final states into the flow, reading ahead.
+
+prefect-dask fetches a task run's Prefect state when its ``result()`` or ``wait()`` is
+called: one gather per task run, through the scheduler to the worker that holds it,
+each answered on that worker's event loop. On a host with one GPU that one worker
+runs every task run's Prefect engine too, and its event loop waits for the GIL behind
+them (docs/performance.md).
+
+A flow reads results in the order it submitted them, mostly (``[f.result() for f in
+futures]``, ``futures.result()``, ``wait(futures)``). So a fetch here also takes the
+futures submitted right after it that have finished, in the same gather, where their
+states are small: a task returning a large array leaves it where it is until the flow
+asks for it. A future whose state came this way answers ``result()`` without Dask; its
+Dask future stays, so a task that depends on it still gets the value from the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from dask.utils import parse_bytes
+from prefect.client.schemas.objects import State
+
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.scheduler.recycling import result_sizes
+
+# How many futures submitted after the one asked for are looked at, and the largest
+# state (Dask's ``sizeof`` on the worker) taken without being asked for.
+READ_AHEAD = 64
+READ_AHEAD_MAX_BYTES = parse_bytes("64 KiB")
+
+
+class ReadAhead:
+    """One flow run's futures in submission order, and the fetch that reads ahead."""
+
+    def __init__(self, client: Any, window: int | None = None, max_bytes: int = READ_AHEAD_MAX_BYTES):
+        window = READ_AHEAD if window is None else window
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window!r}")
+        self.client = client
+        self.window = window
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()  # a future's death may forget it while this thread holds it
+        self._next = 0
+        self._position: dict[str, int] = {}
+        self._by_position: dict[int, weakref.ref[Any]] = {}
+
+    def track(self, key: str, future: Any) -> None:
+        """``future`` (for Dask's ``key``) was submitted now."""
+        with self._lock:
+            position = self._next
+            self._next += 1
+            self._position[key] = position
+            self._by_position[position] = weakref.ref(future, lambda _, k=key: self._forget(k))
+
+    def fetch(self, future: Any, timeout: float | None = None) -> bool:
+        """Wait for ``future`` and give it its final state, with the finished, small ones
+        submitted after it. False where it did not finish well within ``timeout`` (an
+        error, a cancellation, still running): the caller's own path says why."""
+        wrapped = future.wrapped_future
+        if not wrapped.done():
+            finished = threading.Event()
+            wrapped.add_done_callback(lambda _: finished.set())
+            if not finished.wait(timeout):
+                return False
+        if wrapped.status != "finished":
+            return False
+        wanted = {wrapped.key: future, **self._small(self._finished_after(wrapped.key))}
+        states = self.client.gather({key: f.wrapped_future for key, f in wanted.items()}, errors="skip")
+        for key, state in states.items():
+            if isinstance(state, State):
+                _compat.set_future_final_state(wanted[key], state)
+        return _compat.future_final_state(future) is not None
+
+    def _finished_after(self, key: str) -> dict[str, Any]:
+        with self._lock:
+            start = self._position.get(key)
+            after = range(start + 1, start + 1 + self.window) if start is not None else range(0)
+            refs = [ref for position in after if (ref := self._by_position.get(position)) is not None]
+        futures = [f for ref in refs if (f := ref()) is not None and _compat.future_final_state(f) is None]
+        return {f.wrapped_future.key: f for f in futures if f.wrapped_future.status == "finished"}
+
+    def _small(self, futures: dict[str, Any]) -> dict[str, Any]:
+        """Those of ``futures`` whose results' workers said they are small. Dask's own
+        ``nbytes`` cannot say: it sizes a Prefect state without what it holds."""
+        if not futures:
+            return {}
+        sizes = self.client.run_on_scheduler(result_sizes, list(futures))
+        return {key: f for key, f in futures.items() if sizes.get(key, self.max_bytes + 1) <= self.max_bytes}
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            position = self._position.pop(key, None)
+            if position is not None:
+                self._by_position.pop(position, None)

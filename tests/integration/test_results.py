@@ -1,0 +1,95 @@
+"""Task runs' states reaching the flow (``flow.results``): a fetch reads ahead, on a
+real Prefect API and real Dask processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+
+import distributed
+import pytest
+from prefect import flow, task
+
+from prefect_gpu_dask import GPUDaskTaskRunner
+from prefect_gpu_dask._compat import future_final_state
+from prefect_gpu_dask.flow.results import READ_AHEAD_MAX_BYTES, ReadAhead
+
+
+@task
+def value(i: int) -> int:
+    return i
+
+
+@task
+def large(size: int) -> bytes:
+    return b"x" * size
+
+
+@task
+def plus_one(i: int) -> int:
+    return i + 1
+
+
+@task
+def fails(i: int) -> int:
+    raise ValueError(f"task {i} failed")
+
+
+@task
+def slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def _finished(futures: list) -> None:
+    """Wait until Dask has every future's result, without fetching any."""
+    wrapped = [f.wrapped_future for f in futures]
+    with wrapped[0].client.as_current():
+        distributed.wait(wrapped)
+
+
+def test_a_result_brings_the_small_finished_states_submitted_after_it(remote_cluster):
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def read_in_order():
+        futures = [*value.map(range(8)), large.submit(2 * READ_AHEAD_MAX_BYTES), value.submit(99)]
+        _finished(futures)
+        first = futures[0].result()
+        fetched = [future_final_state(f) is not None for f in futures]
+        # A task given a read-ahead future still gets its value from the worker.
+        downstream = plus_one.submit(futures[3]).result()
+        return first, fetched, [f.result() for f in futures], downstream
+
+    first, fetched, results, downstream = read_in_order()
+    assert first == 0
+    # The large state stays on its worker until asked for; the one after it came along.
+    assert fetched == [True] * 8 + [False, True]
+    assert results == [*range(8), b"x" * (2 * READ_AHEAD_MAX_BYTES), 99]
+    assert downstream == 4
+
+
+def test_failed_and_unfinished_task_runs_read_ahead_keep_their_meaning(remote_cluster):
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def mixed():
+        done, failed, running = value.submit(1), fails.submit(2), slow.submit(4.0)
+        _finished([done, failed])
+        assert done.result() == 1
+        failed_was_fetched = future_final_state(failed) is not None
+        with pytest.raises(ValueError, match="task 2 failed"):
+            failed.result()
+        started = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            running.result(timeout=1.0)
+        timed_out_after = time.perf_counter() - started
+        running.wait(0.1)
+        still_running = future_final_state(running) is None
+        return failed_was_fetched, failed.state.is_failed(), timed_out_after, still_running, running.result()
+
+    failed_was_fetched, failed_is_failed, timed_out_after, still_running, slow_result = mixed()
+    assert failed_was_fetched and failed_is_failed
+    assert timed_out_after < 1.8  # the timeout is waited once, not twice
+    assert still_running
+    assert slow_result == 4.0
+
+
+def test_a_negative_read_ahead_window_is_refused():
+    with pytest.raises(ValueError, match="-1"):
+        ReadAhead(client=None, window=-1)
