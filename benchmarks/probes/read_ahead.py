@@ -44,6 +44,7 @@ def main() -> None:
                 runs[name].append(timed_trivial_batch(runner, args.tasks))
             finally:
                 results.READ_AHEAD = window
+        print({name: [round(v, 3) for v in v_] for name, v_ in runs.items()}, file=sys.stderr, flush=True)
     against_thread_pool(runs, f"{args.tasks} trivial tasks, {args.rounds} rounds, warm", args.out, args.tasks)
 
 

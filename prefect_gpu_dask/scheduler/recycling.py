@@ -280,8 +280,7 @@ def result_sizes(keys: list[str], dask_scheduler: Any = None) -> dict[str, int]:
     plugin = dask_scheduler.plugins.get(InterruptedTasks.name)
     if plugin is None:
         return {}
-    sizes = {key: (plugin.ended.get(key) or {}).get("nbytes") for key in keys}
-    return {key: n for key, n in sizes.items() if isinstance(n, int)}
+    return {key: plugin.sizes[key] for key in keys if key in plugin.sizes}
 
 
 def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -> None:
@@ -333,6 +332,7 @@ class InterruptedTasks(SchedulerPlugin):
         self.running_on: dict[Any, str] = {}  # where each task went processing
         self.started: dict[Any, str] = {}  # the worker each task started on
         self.ended: dict[Any, dict[str, Any]] = {}  # how each task run whose result is held ended
+        self.sizes: dict[Any, int] = {}  # the bytes of each held result, as its worker told
         self.names: dict[str, Any] = {}  # worker address -> its name
 
     async def start(self, scheduler: Any) -> None:
@@ -365,6 +365,7 @@ class InterruptedTasks(SchedulerPlugin):
         self.running_on.clear()  # every task is forgotten
         self.started.clear()
         self.ended.clear()
+        self.sizes.clear()
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == STARTED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
@@ -378,7 +379,9 @@ class InterruptedTasks(SchedulerPlugin):
             key, worker = msg.get("key"), msg.get("worker")
             ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
             if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
-                self.ended[key] = {k: msg.get(k) for k in ("type", "name", "message", "nbytes")}
+                self.ended[key] = {k: msg.get(k) for k in ("type", "name", "message")}
+                if isinstance(nbytes := msg.get("nbytes"), int):
+                    self.sizes[key] = nbytes
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:
@@ -389,6 +392,7 @@ class InterruptedTasks(SchedulerPlugin):
                 self.running_on[key] = ts.processing_on.address
         elif start == "memory" and finish in ("released", "forgotten"):
             ended = self.ended.pop(key, None)
+            self.sizes.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             # Only a lost copy releases a result that is still wanted: Dask computes it again.
             if (
@@ -402,6 +406,8 @@ class InterruptedTasks(SchedulerPlugin):
             queued_on = self.running_on.pop(key, None)
             started_on = self.started.pop(key, None)
             ended = self.ended.get(key) if finish == "memory" else self.ended.pop(key, None)
+            if finish != "memory":
+                self.sizes.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             if finish != "released" or ts is None:
                 return
