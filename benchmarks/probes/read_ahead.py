@@ -44,7 +44,7 @@ def main() -> None:
                 runs[name].append(timed_trivial_batch(runner, args.tasks))
             finally:
                 results.READ_AHEAD = window
-        print({name: [round(v, 3) for v in v_] for name, v_ in runs.items()}, file=sys.stderr, flush=True)
+        print({name: [round(t, 3) for t in times] for name, times in runs.items()}, file=sys.stderr)
     against_thread_pool(runs, f"{args.tasks} trivial tasks, {args.rounds} rounds, warm", args.out, args.tasks)
 
 
