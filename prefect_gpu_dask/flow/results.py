@@ -20,7 +20,9 @@ import threading
 import weakref
 from typing import Any
 
+import distributed
 from dask.utils import parse_bytes
+from distributed import CancelledError
 from prefect.client.schemas.objects import State
 
 from prefect_gpu_dask import _compat
@@ -61,9 +63,10 @@ class ReadAhead:
         error, a cancellation, still running): the caller's own path says why."""
         wrapped = future.wrapped_future
         if not wrapped.done():
-            finished = threading.Event()
-            wrapped.add_done_callback(lambda _: finished.set())
-            if not finished.wait(timeout):
+            try:
+                with self.client.as_current():
+                    distributed.wait([wrapped], timeout=timeout)
+            except (TimeoutError, CancelledError):
                 return False
         if wrapped.status != "finished":
             return False
