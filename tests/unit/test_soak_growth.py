@@ -1,0 +1,51 @@
+"""The fleet soak's growth check (``benchmarks.fleet_soak.growth``) on samples given here."""
+
+from __future__ import annotations
+
+from benchmarks.fleet_soak import Sample, growth
+
+
+def samples(rss_mib: list[int], threads: int = 10) -> list[Sample]:
+    return [
+        Sample(
+            after_runs=50 * (i + 1),
+            phase="soak",
+            at_s=float(i),
+            window_runs=50,
+            rss_kib=mib * 1024,
+            threads_active=threads,
+            threads=threads,
+            fds=20,
+            peak={},
+            scheduler={},
+        )
+        for i, mib in enumerate(rss_mib)
+    ]
+
+
+def test_rss_on_a_saw_tooth_passes_though_its_last_sample_is_above_its_first():
+    # The 400-run soak's samples: the end points differ by +14.8 %, the halves' medians do not.
+    checked = growth(
+        samples([143, 165, 212, 197, 172, 173, 171, 174, 189]), warmup=50, limit=0.1, rss_limit=0.1
+    )
+    assert checked["figures"]["rss_kib"]["growth"] > 0.1
+    assert checked["rss_halves"]["growth"] < 0
+    assert checked["exceeded"] == []
+
+
+def test_rss_growing_steadily_fails():
+    checked = growth(samples([150, 160, 170, 180, 190, 200, 210, 220]), warmup=50, limit=0.1, rss_limit=0.1)
+    assert checked["rss_halves"]["growth"] > 0.1
+    assert checked["exceeded"] == ["rss_kib"]
+
+
+def test_with_fewer_than_four_samples_the_end_points_are_checked():
+    checked = growth(samples([150, 165, 190]), warmup=50, limit=0.1, rss_limit=0.1)
+    assert checked["rss_halves"] is None
+    assert checked["exceeded"] == ["rss_kib"]
+
+
+def test_other_figures_are_still_checked_end_to_end():
+    grown = samples([150, 150, 150, 150, 150])
+    grown[-1].threads_active = 20
+    assert "threads_active" in growth(grown, warmup=50, limit=0.1, rss_limit=0.1)["exceeded"]
