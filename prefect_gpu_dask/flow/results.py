@@ -16,6 +16,7 @@ Dask future stays, so a task that depends on it still gets the value from the wo
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any
@@ -27,6 +28,8 @@ from prefect.client.schemas.objects import State
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.scheduler.recycling import result_sizes
+
+logger = logging.getLogger(__name__)
 
 # How many futures submitted after the one asked for are looked at, and the largest
 # state (Dask's ``sizeof`` on the worker) taken without being asked for.
@@ -90,7 +93,12 @@ class ReadAhead:
         ``nbytes`` cannot say: it sizes a Prefect state without what it holds."""
         if not futures:
             return {}
-        sizes = self.client.run_on_scheduler(result_sizes, list(futures))
+        try:
+            sizes = self.client.run_on_scheduler(result_sizes, list(futures))
+        except Exception as exc:  # e.g. a scheduler without this package: read nothing ahead
+            logger.warning("Task run states are fetched one by one: the scheduler cannot size them (%r)", exc)
+            self.window = 0
+            return {}
         return {key: f for key, f in futures.items() if sizes.get(key, self.max_bytes + 1) <= self.max_bytes}
 
     def _forget(self, key: str) -> None:

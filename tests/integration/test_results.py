@@ -93,3 +93,26 @@ def test_failed_and_unfinished_task_runs_read_ahead_keep_their_meaning(remote_cl
 def test_a_negative_read_ahead_window_is_refused():
     with pytest.raises(ValueError, match="-1"):
         ReadAhead(client=None, window=-1)
+
+
+def _no_sizes(keys: list[str], dask_scheduler=None) -> dict[str, int]:
+    raise ModuleNotFoundError("No module named 'prefect_gpu_dask'")
+
+
+def test_a_scheduler_that_cannot_size_results_costs_only_the_read_ahead(remote_cluster, monkeypatch, caplog):
+    from prefect_gpu_dask.flow import results
+
+    # As on a scheduler without this package: the function cannot run there.
+    monkeypatch.setattr(results, "result_sizes", lambda keys, dask_scheduler=None: _no_sizes(keys))
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def read_in_order():
+        futures = value.map(range(6))
+        _finished(futures)
+        values = [f.result() for f in futures]
+        return values, futures[0].read_ahead.window
+
+    values, window = read_in_order()
+    assert values == list(range(6))
+    assert window == 0
+    assert "fetched one by one" in caplog.text
