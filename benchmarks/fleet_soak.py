@@ -39,9 +39,10 @@ scheduler (through a monitor client of our own, which it counts) its plugins, cl
 tasks, workers and events; and the rows of each table of the server's SQLite database,
 per flow run of the window. What grew from the first sample after the warm-up window
 to the last one is checked against ``--growth-limit`` (10 %; this process's RSS against
-``--rss-growth-limit``, as medians of the later and earlier halves of the samples where
-there are four or more: ``rss_halves``); distributed's own subscriptions, which every departed client
-leaves on the scheduler, are shown, not checked. With ``--cluster local`` the scheduler
+``--rss-growth-limit``, as medians of the later and earlier halves of the samples, against
+half of it, where there are four or more: ``rss_halves``); distributed's own
+subscriptions, which every departed client leaves on the scheduler, are shown, not
+checked. With ``--cluster local`` the scheduler
 and the nannies live in this process: its figures include theirs.
 
 Prints a table and writes JSON (``--out``, default
@@ -784,8 +785,9 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
     each window. A figure that was 0 may not grow at all; RSS has a limit of its own.
     RSS rises and falls with Python's full collections, a cycle as long as a short soak,
     so with four samples or more it is checked as the median of the later half against
-    the median of the earlier half (``rss_halves``): a steady leak moves both medians
-    apart, one sample on a crest or in a trough does not.
+    the median of the earlier half (``rss_halves``), against half the limit: the two
+    medians sit about a quarter and three quarters of the way, so a steady leak moves
+    them apart by about half its growth; one sample on a crest or in a trough does not.
     """
     after = [s for s in samples if s.after_runs > warmup]
     if len(after) < 2:
@@ -803,7 +805,7 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
     halves = rss_halves(after)
     if halves is not None and "rss_kib" in figures:
         exceeded = [name for name in exceeded if name != "rss_kib"]
-        if halves["growth"] > rss_limit:
+        if halves["growth"] > rss_limit / 2:
             exceeded.append("rss_kib")
     return {
         "first": first.after_runs,
@@ -951,7 +953,7 @@ def print_tables(s: dict[str, Any], samples: list[Sample], failures: list[str], 
             print(
                 f"  rss_kib, median of runs {halves['earlier_runs']} -> of runs {halves['later_runs']}:"
                 f" {halves['earlier_median_kib']:g} -> {halves['later_median_kib']:g}"
-                f"  {halves['growth']:+.1%} (limit {s['rss_growth_limit']:.0%}){mark}"
+                f"  {halves['growth']:+.1%} (limit {s['rss_growth_limit'] / 2:.0%}){mark}"
             )
     serving = s["serving"]
     print()

@@ -40,7 +40,7 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.flow.results import ReadAhead
+from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     LOST,
@@ -546,7 +546,11 @@ class RecyclableFuture(PrefectDaskFuture):
         return self.read_ahead is not None and self.read_ahead.fetch(self, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
-        if self._fetched(timeout) or (self.read_ahead is not None and not self.wrapped_future.done()):
+        try:
+            fetched = self._fetched(timeout)
+        except Exception:  # as prefect-dask's ``wait``: it only waits, the result says why
+            fetched = False
+        if fetched or (self.read_ahead is not None and not self.wrapped_future.done()):
             return  # fetched, or still running after ``timeout``
         try:
             super().wait(timeout)
@@ -556,7 +560,8 @@ class RecyclableFuture(PrefectDaskFuture):
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
         if not self._fetched(timeout) and self.read_ahead is not None and not self.wrapped_future.done():
-            timeout = 0  # ``timeout`` has passed already: Prefect's own path says so
+            # As prefect-dask says it, once: ``timeout`` has passed already.
+            raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} seconds")
         try:
             return super().result(timeout, raise_on_failure)
         except CancelledError:
@@ -568,7 +573,8 @@ class RecyclableFuture(PrefectDaskFuture):
 def move_into_flow(future: Any, state: Any) -> None:
     """``future``'s final state is ``state`` from now on; Dask may forget its key (in
     that order: a thread waiting on the key then finds the state)."""
-    _compat.set_future_final_state(future, state)
+    with final_states_lock:
+        _compat.set_future_final_state(future, state)
     _moved.add(future)
     future.wrapped_future.release()
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import distributed
 from dask.utils import parse_bytes
-from distributed import CancelledError
 from prefect.client.schemas.objects import State
 
 from prefect_gpu_dask import _compat
@@ -35,6 +34,18 @@ logger = logging.getLogger(__name__)
 # state (Dask's ``sizeof`` on the worker) taken without being asked for.
 READ_AHEAD = 64
 READ_AHEAD_MAX_BYTES = parse_bytes("64 KiB")
+
+
+# Held while a future's final state is set: one a restart moved into the flow
+# (``recycling.move_into_flow``) is never replaced by one read ahead.
+final_states_lock = threading.Lock()
+
+
+def settle(future: Any, state: Any) -> None:
+    """``future``'s final state is ``state``, unless it has one already."""
+    with final_states_lock:
+        if _compat.future_final_state(future) is None:
+            _compat.set_future_final_state(future, state)
 
 
 class ReadAhead:
@@ -66,18 +77,26 @@ class ReadAhead:
         error, a cancellation, still running): the caller's own path says why."""
         wrapped = future.wrapped_future
         if not wrapped.done():
+            # Not ``distributed.wait``: it needs the client current, and ``as_current`` sets
+            # Dask's scheduler for the whole process, in-process workers' tasks included.
             try:
-                with self.client.as_current():
-                    distributed.wait([wrapped], timeout=timeout)
-            except (TimeoutError, CancelledError):
+                next(iter(distributed.as_completed([wrapped], loop=self.client.loop, timeout=timeout)))
+            except TimeoutError:
                 return False
         if wrapped.status != "finished":
             return False
-        wanted = {wrapped.key: future, **self._small(self._finished_after(wrapped.key))}
-        states = self.client.gather({key: f.wrapped_future for key, f in wanted.items()}, errors="skip")
+        wanted = {wrapped.key: future, **self._small(wrapped.key, self._finished_after(wrapped.key))}
+        try:
+            states = self.client.gather({key: f.wrapped_future for key, f in wanted.items()}, errors="skip")
+        except Exception:
+            if len(wanted) == 1:
+                raise
+            # Something about the others: the caller's own path fetches this one alone.
+            logger.debug("Reading ahead of %s failed", wrapped.key, exc_info=True)
+            return False
         for key, state in states.items():
             if isinstance(state, State):
-                _compat.set_future_final_state(wanted[key], state)
+                settle(wanted[key], state)
         return _compat.future_final_state(future) is not None
 
     def _finished_after(self, key: str) -> dict[str, Any]:
@@ -88,16 +107,21 @@ class ReadAhead:
         futures = [f for ref in refs if (f := ref()) is not None and _compat.future_final_state(f) is None]
         return {f.wrapped_future.key: f for f in futures if f.wrapped_future.status == "finished"}
 
-    def _small(self, futures: dict[str, Any]) -> dict[str, Any]:
-        """Those of ``futures`` whose results' workers said they are small. Dask's own
-        ``nbytes`` cannot say: it sizes a Prefect state without what it holds."""
+    def _small(self, beside: str, futures: dict[str, Any]) -> dict[str, Any]:
+        """Those of ``futures`` whose workers said they hold small, plain data, on a
+        worker that holds ``beside`` too: a worker lost takes the one asked for with
+        them, so none is waited for longer. Dask's own ``nbytes`` cannot say: it sizes
+        a Prefect state without what it holds."""
         if not futures:
             return {}
         try:
-            sizes = self.client.run_on_scheduler(result_sizes, list(futures))
-        except Exception as exc:  # e.g. a scheduler without this package: read nothing ahead
+            sizes = self.client.run_on_scheduler(result_sizes, list(futures), beside)
+        except ImportError as exc:  # a scheduler without this package: read nothing ahead
             logger.warning("Task run states are fetched one by one: the scheduler cannot size them (%r)", exc)
             self.window = 0
+            return {}
+        except Exception:  # a connection dropped, say: this time, nothing ahead
+            logger.debug("Could not size results ahead of %s", beside, exc_info=True)
             return {}
         return {key: f for key, f in futures.items() if sizes.get(key, self.max_bytes + 1) <= self.max_bytes}
 

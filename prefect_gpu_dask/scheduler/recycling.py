@@ -274,13 +274,21 @@ def lost(why: str) -> dict[str, Any]:
     return {"outcome": LOST, "why": why}
 
 
-def result_sizes(keys: list[str], dask_scheduler: Any = None) -> dict[str, int]:
-    """The size of each held task run result among ``keys``, as its worker told it on
-    ``ENDED_TOPIC`` (``InterruptedTasks``); a key without one is left out."""
+def result_sizes(keys: list[str], beside: str, dask_scheduler: Any = None) -> dict[str, int]:
+    """The size of each task run result among ``keys`` held on a worker that holds
+    ``beside`` too, as its worker told it on ``ENDED_TOPIC`` (``InterruptedTasks``); a
+    key without one, or held elsewhere only, is left out."""
     plugin = dask_scheduler.plugins.get(InterruptedTasks.name)
-    if plugin is None:
+    ts = dask_scheduler.tasks.get(beside)
+    if plugin is None or ts is None or not ts.who_has:
         return {}
-    return {key: plugin.sizes[key] for key in keys if key in plugin.sizes}
+    holders = set(ts.who_has)
+    sizes = {}
+    for key in keys:
+        other = dask_scheduler.tasks.get(key)
+        if key in plugin.sizes and other is not None and holders & set(other.who_has or ()):
+            sizes[key] = plugin.sizes[key]
+    return sizes
 
 
 def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -> None:

@@ -14,13 +14,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dask.sizeof import sizeof
 from distributed.core import Status
 
 from prefect_gpu_dask import _compat
@@ -257,11 +257,54 @@ def announce_end(state: Any) -> None:
 
 
 def result_nbytes(state: Any) -> int | None:
-    """Bytes of the value ``state`` carries (Dask's ``sizeof``), None where it cannot say."""
+    """Bytes of the value ``state`` carries where it is plain host data, else None."""
     try:
-        return sizeof(_compat.state_payload(state))
+        return plain_nbytes(_compat.state_payload(state))
     except Exception:
         return None
+
+
+PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray)
+
+
+def _numeric_numpy(item: Any) -> bool:
+    """A NumPy array or number of anything but Python objects."""
+    return type(item).__module__ == "numpy" and not getattr(getattr(item, "dtype", None), "hasobject", True)
+
+
+PLAIN_NODES = 10_000  # the most objects walked; a larger value is not sized
+
+
+def plain_nbytes(value: Any, nodes: int = PLAIN_NODES) -> int | None:
+    """Bytes of ``value`` where it is plain host data: Python's scalars, strings and
+    bytes, NumPy arrays and numbers (not of objects), exceptions, and lists, tuples,
+    sets and dicts of these, walked whole. Anything else, or more than ``nodes``
+    objects, is None. Dask's ``sizeof`` is no judge here: it samples large containers
+    and sizes an object it does not know (a dataclass, a torch tensor) as its shell,
+    and a GPU array it knows is not one for the flow's process to unpickle."""
+    total, stack = 0, [value]
+    while stack:
+        nodes -= 1
+        if nodes < 0:
+            return None
+        item = stack.pop()
+        if isinstance(item, PLAIN_SCALARS):
+            total += sys.getsizeof(item)
+        elif _numeric_numpy(item):
+            total += item.nbytes
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += sys.getsizeof(item)
+            stack.extend(item)
+        elif isinstance(item, dict):
+            total += sys.getsizeof(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, BaseException):
+            total += sys.getsizeof(item)
+            stack.extend(item.args)
+        else:
+            return None
+    return total
 
 
 def result_lost() -> dict[str, Any] | bool:

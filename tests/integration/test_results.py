@@ -3,6 +3,7 @@ real Prefect API and real Dask processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import distributed
@@ -29,6 +30,18 @@ def plus_one(i: int) -> int:
     return i + 1
 
 
+@dataclasses.dataclass
+class Opaque:
+    """A value Dask's sizeof sizes as its shell: never read ahead, however small."""
+
+    payload: bytes
+
+
+@task
+def opaque(i: int) -> Opaque:
+    return Opaque(bytes(i))
+
+
 @task
 def fails(i: int) -> int:
     raise ValueError(f"task {i} failed")
@@ -38,6 +51,12 @@ def fails(i: int) -> int:
 def slow(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+def _on_one_worker(*tasks):
+    """The tasks routed to the cluster's one ``gpu`` worker: results read ahead are
+    those held beside the one asked for."""
+    return [t.with_options(tags=["gpu"]) for t in tasks]
 
 
 def _finished(futures: list) -> None:
@@ -50,26 +69,35 @@ def _finished(futures: list) -> None:
 def test_a_result_brings_the_small_finished_states_submitted_after_it(remote_cluster):
     @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
     def read_in_order():
-        futures = [*value.map(range(8)), large.submit(2 * READ_AHEAD_MAX_BYTES), value.submit(99)]
+        value_, large_, opaque_ = _on_one_worker(value, large, opaque)
+        futures = [
+            *value_.map(range(8)),
+            large_.submit(2 * READ_AHEAD_MAX_BYTES),
+            opaque_.submit(3),
+            value_.submit(99),
+        ]
         _finished(futures)
         first = futures[0].result()
         fetched = [future_final_state(f) is not None for f in futures]
-        # A task given a read-ahead future still gets its value from the worker.
+        # A future read ahead keeps its Dask future: a task given it gets the value from the worker.
+        kept = futures[3].wrapped_future.status
         downstream = plus_one.submit(futures[3]).result()
-        return first, fetched, [f.result() for f in futures], downstream
+        return first, fetched, kept, [f.result() for f in futures], downstream
 
-    first, fetched, results, downstream = read_in_order()
+    first, fetched, kept, results, downstream = read_in_order()
     assert first == 0
-    # The large state stays on its worker until asked for; the one after it came along.
-    assert fetched == [True] * 8 + [False, True]
-    assert results == [*range(8), b"x" * (2 * READ_AHEAD_MAX_BYTES), 99]
+    # The large and the opaque states stay on their worker until asked for; the one after came along.
+    assert fetched == [True] * 8 + [False, False, True]
+    assert kept == "finished"
+    assert results == [*range(8), b"x" * (2 * READ_AHEAD_MAX_BYTES), Opaque(bytes(3)), 99]
     assert downstream == 4
 
 
 def test_failed_and_unfinished_task_runs_read_ahead_keep_their_meaning(remote_cluster):
     @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
     def mixed():
-        done, failed, running = value.submit(1), fails.submit(2), slow.submit(4.0)
+        value_, fails_ = _on_one_worker(value, fails)
+        done, failed, running = value_.submit(1), fails_.submit(2), slow.submit(8.0)
         _finished([done, failed])
         assert done.result() == 1
         failed_was_fetched = future_final_state(failed) is not None
@@ -87,7 +115,7 @@ def test_failed_and_unfinished_task_runs_read_ahead_keep_their_meaning(remote_cl
     assert failed_was_fetched and failed_is_failed
     assert timed_out_after < 1.8  # the timeout is waited once, not twice
     assert still_running
-    assert slow_result == 4.0
+    assert slow_result == 8.0
 
 
 def test_a_negative_read_ahead_window_is_refused():
@@ -103,11 +131,11 @@ def test_a_scheduler_that_cannot_size_results_costs_only_the_read_ahead(remote_c
     from prefect_gpu_dask.flow import results
 
     # As on a scheduler without this package: the function cannot run there.
-    monkeypatch.setattr(results, "result_sizes", lambda keys, dask_scheduler=None: _no_sizes(keys))
+    monkeypatch.setattr(results, "result_sizes", lambda keys, beside, dask_scheduler=None: _no_sizes(keys))
 
     @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
     def read_in_order():
-        futures = value.map(range(6))
+        futures = _on_one_worker(value)[0].map(range(6))
         _finished(futures)
         values = [f.result() for f in futures]
         return values, futures[0].read_ahead.window
@@ -116,3 +144,23 @@ def test_a_scheduler_that_cannot_size_results_costs_only_the_read_ahead(remote_c
     assert values == list(range(6))
     assert window == 0
     assert "fetched one by one" in caplog.text
+
+
+@task
+def computes_a_collection() -> int:
+    import dask.bag as db
+
+    time.sleep(0.5)  # the flow is waiting for this result meanwhile
+    return db.from_sequence(range(10), npartitions=2).sum().compute()
+
+
+def test_a_task_on_an_in_process_worker_computes_dask_collections_while_the_flow_waits():
+    # Waiting must not make Dask's distributed scheduler the process's default: an
+    # in-process worker's task would then find no client for its own compute().
+    runner = GPUDaskTaskRunner(cluster_kwargs={"processes": False, "n_workers": 1, "dashboard_address": None})
+
+    @flow(task_runner=runner)
+    def waits():
+        return computes_a_collection.submit().result()
+
+    assert waits() == 45

@@ -24,7 +24,7 @@ def samples(rss_mib: list[int], threads: int = 10) -> list[Sample]:
 
 
 def test_rss_on_a_saw_tooth_passes_though_its_last_sample_is_above_its_first():
-    # The 400-run soak's samples: the end points differ by +14.8 %, the halves' medians do not.
+    # The 400-run soak's samples: the end points differ by +14.5 %, the halves' medians do not.
     checked = growth(
         samples([143, 165, 212, 197, 172, 173, 171, 174, 189]), warmup=50, limit=0.1, rss_limit=0.1
     )
@@ -33,9 +33,10 @@ def test_rss_on_a_saw_tooth_passes_though_its_last_sample_is_above_its_first():
     assert checked["exceeded"] == []
 
 
-def test_rss_growing_steadily_fails():
-    checked = growth(samples([150, 160, 170, 180, 190, 200, 210, 220]), warmup=50, limit=0.1, rss_limit=0.1)
-    assert checked["rss_halves"]["growth"] > 0.1
+def test_rss_growing_steadily_by_half_as_much_again_as_the_limit_fails():
+    # After the warm-up: 200 MiB rising steadily to 230 MiB, +15 % end to end.
+    checked = growth(samples([150, 200, 205, 210, 215, 220, 225, 230]), warmup=50, limit=0.1, rss_limit=0.1)
+    assert checked["figures"]["rss_kib"]["growth"] == 0.15
     assert checked["exceeded"] == ["rss_kib"]
 
 
