@@ -316,7 +316,7 @@ class Recycler:
         self._safe_at: float | None = None
         self._serving_logged = False
         if request.worker not in self._workers():
-            self.logger.debug("%s is gone already: not restarting it (%s)", request.worker, request.reason)
+            self._gone(request, requested, requested_wall)
             return
         # A worker with hung tasks is recycled alone, whatever the policy: only the end of
         # its process frees their threads.
@@ -339,7 +339,7 @@ class Recycler:
         try:
             while (answer := attempt(targets))["status"] != "restarted":
                 if answer["status"] == "gone":
-                    self.logger.warning("%s left the cluster before it could be recycled", targets)
+                    self._gone(request, requested, requested_wall)
                     return
                 if self._closing.is_set():
                     return  # close() said what it skipped
@@ -390,6 +390,29 @@ class Recycler:
                 record.serving_s,
                 "unknown" if record.memory_after is None else format_bytes(record.memory_after),
             )
+        self.on_restart(record)
+
+    def _gone(self, request: _Request, requested: float, requested_wall: float) -> None:
+        """The worker left before this restart. Where a worker of its name serves now, it
+        was replaced meanwhile (another flow run's restart, its nanny after a death): the
+        process that held the memory is gone, which the record says. Not counted on the
+        scheduler: whoever restarted it counted that restart."""
+        workers = self._workers()
+        name = request.worker_name
+        replacement = next((a for a, w in workers.items() if name and str(w.get("name")) == str(name)), None)
+        if replacement is None or replacement == request.worker:
+            self.logger.warning("%s left the cluster before it could be recycled", request.worker)
+            return
+        outcome = {"outcome": REPLACED, "address": replacement}
+        restart_s = time.perf_counter() - requested
+        record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s=None)
+        self._restarts.append(record)
+        self.logger.warning(
+            "%s (%s) was replaced before it could be recycled, by another restart or its nanny -> %s",
+            request.worker,
+            request.reason,
+            replacement,
+        )
         self.on_restart(record)
 
     def _try_workers(self, targets: list[str]) -> dict[str, Any]:

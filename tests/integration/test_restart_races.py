@@ -190,3 +190,40 @@ def test_a_result_moved_while_the_flow_waits_on_it_reaches_the_waiter():
         HOLD.set()
     assert outcomes[0] == "moved"
     assert isinstance(outcomes[1], CancelledError), outcomes[1]
+
+
+def test_a_worker_replaced_before_its_restart_is_recorded_as_replaced():
+    """Another flow run's restart (here: ``restart_workers``) replaced the worker between
+    this flow's verdict and its restart: the record names the replacement."""
+    with cluster(n_workers=1, threads_per_worker=1) as lc, Client(lc) as client:
+        [(old, info)] = client.scheduler_info()["workers"].items()
+        client.restart_workers([old])
+        [new] = client.scheduler_info()["workers"]
+        assert new != old
+        rc = recycler(client)
+        rc.request(old, "leak: test", worker_name=str(info["name"]))
+        deadline = time.monotonic() + 20
+        while not rc.restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rc.close(wait=False)
+        [record] = rc.restarts
+        assert (record.outcome, record.worker, record.new_worker, record.reason) == (
+            "replaced",
+            old,
+            new,
+            "leak: test",
+        )
+        assert record.new_pid == client.run(os.getpid)[new]
+
+
+def test_a_worker_gone_for_good_before_its_restart_leaves_no_record():
+    with cluster(n_workers=2, threads_per_worker=1) as lc, Client(lc) as client:
+        workers = client.scheduler_info()["workers"]
+        old = next(iter(workers))
+        client.retire_workers([old], close_workers=True)
+        lc.scale(1)  # the cluster does not start it again
+        rc = recycler(client)
+        rc.request(old, "leak: test", worker_name=str(workers[old]["name"]))
+        time.sleep(1.0)
+        rc.close(wait=True)
+        assert rc.restarts == ()
