@@ -75,6 +75,9 @@ GIVE_UP_S = 3600.0
 # A worker holding a hung thread cannot close gracefully: its nanny waits most of this
 # for it, then kills the process.
 STUCK_RESTART_S = 8.0
+# How long a worker that left before its restart may take to come back under its name
+# (another flow run's restart of a hung worker takes about STUCK_RESTART_S).
+REPLACEMENT_WAIT_S = STUCK_RESTART_S + 4.0
 
 
 @dataclass(frozen=True)
@@ -397,10 +400,14 @@ class Recycler:
         was replaced meanwhile (another flow run's restart, its nanny after a death): the
         process that held the memory is gone, which the record says. Not counted on the
         scheduler: whoever restarted it counted that restart."""
-        workers = self._workers()
         name = request.worker_name
-        replacement = next((a for a, w in workers.items() if name and str(w.get("name")) == str(name)), None)
-        if replacement is None or replacement == request.worker:
+        replacement, until = None, time.monotonic() + REPLACEMENT_WAIT_S
+        while name and replacement is None and time.monotonic() < until and not self._closing.is_set():
+            serving = [a for a, w in self._workers().items() if str(w.get("name")) == str(name)]
+            replacement = next((a for a in serving if a != request.worker), None)
+            if replacement is None:
+                time.sleep(RESUMED_S)
+        if replacement is None:
             self.logger.warning("%s left the cluster before it could be recycled", request.worker)
             return
         outcome = {"outcome": REPLACED, "address": replacement}
