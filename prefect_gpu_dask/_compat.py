@@ -123,6 +123,37 @@ def _install_tag_slot_gate() -> None:
         engine._concurrency, engine._aconcurrency = concurrency, aconcurrency
 
 
+_heartbeat_gate_lock = threading.Lock()
+
+
+def stop_flow_heartbeats_unjoined(where: Callable[[Any], bool]) -> None:
+    """From now on, the flow engine leaves the heartbeat thread of a flow run whose
+    ``where(flow.task_runner)`` holds to end by itself instead of joining it.
+
+    The thread sleeps in whole seconds and reads its stop flag between them, so the
+    join holds every flow run's end for up to a second after its last task. Unjoined,
+    the thread still stops at its next flag check and emits nothing more, as it does
+    under Prefect's async engine (``join_on_exit=False``). Public replacement: the
+    heartbeat thread waiting on its stop event (``stop_event.wait(1)``) instead of
+    ``time.sleep(1)`` in ``prefect.flow_engine._send_heartbeats``.
+    """
+    import prefect.flow_engine as engine
+
+    with _heartbeat_gate_lock:
+        if getattr(engine._send_heartbeats, "unjoined_where", None) is not None:
+            return
+        prefect_send_heartbeats = engine._send_heartbeats
+
+        def send_heartbeats(flow_engine: Any, join_on_exit: bool = True) -> Any:
+            flow = getattr(flow_engine, "flow", None)
+            if join_on_exit and flow is not None and where(getattr(flow, "task_runner", None)):
+                join_on_exit = False
+            return prefect_send_heartbeats(flow_engine, join_on_exit=join_on_exit)
+
+        send_heartbeats.unjoined_where = where  # type: ignore[attr-defined]
+        engine._send_heartbeats = send_heartbeats
+
+
 def begin_sqlite_write_transactions_immediate() -> bool:
     """Make the transactions Prefect's API server opens on SQLite for its writes
     (``session_context(begin_transaction=True)``) begin IMMEDIATE, as Prefect already

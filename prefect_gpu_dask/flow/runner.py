@@ -26,7 +26,7 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.client import PrefectDaskClient
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from prefect_gpu_dask._compat import current_worker
+from prefect_gpu_dask._compat import current_worker, stop_flow_heartbeats_unjoined
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
@@ -405,7 +405,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> GPUDaskTaskRunner:
         super().__enter__()
-        share_ephemeral_api(self._exit_stack)
+        if current_worker() is None:  # a worker's engine enters a copy per task run
+            share_ephemeral_api(self._exit_stack)
+            # The flow run's end need not wait out its heartbeat thread's sleep.
+            stop_flow_heartbeats_unjoined(_is_gpu_dask_runner)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -437,3 +440,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             finally:
                 if ran_flow:
                     release_freed_heap_soon()
+
+
+def _is_gpu_dask_runner(task_runner: Any) -> bool:
+    return isinstance(task_runner, GPUDaskTaskRunner)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 import uuid
 
@@ -12,6 +13,7 @@ import pytest
 from distributed import Client
 from prefect import flow, tags, task
 from prefect.states import State
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, forkserver
 from prefect_gpu_dask.flow import routing
@@ -500,3 +502,54 @@ def test_a_cluster_passed_in_is_the_one_the_flow_uses():
         name, scheduler = on_given_cluster()
         assert scheduler == cluster.scheduler_address
         assert name in {w.name for w in cluster.workers.values()}
+
+
+def _new_heartbeat_threads(before: set[int]) -> list[int]:
+    """Idents of the heartbeat threads of Prefect's flow engine (``_send_heartbeats``'
+    ``heartbeat_loop``) started since ``before``."""
+    return [
+        thread.ident
+        for thread in threading.enumerate()
+        if thread.ident not in before
+        and any(getattr(arg, "__qualname__", "").endswith("heartbeat_loop") for arg in thread._args)
+    ]
+
+
+def _running(ident: int) -> bool:
+    return any(thread.ident == ident for thread in threading.enumerate())
+
+
+def _heartbeat_alive_at_return(flow_fn, seen: list) -> bool:
+    """Whether the heartbeat thread of a run of ``flow_fn`` (which adds what
+    ``_new_heartbeat_threads`` finds to ``seen``) was still running when the call
+    returned; then waits for it to stop by itself."""
+    seen[:] = [{thread.ident for thread in threading.enumerate()}]
+    flow_fn()
+    (heartbeat,) = seen[1:]
+    alive = _running(heartbeat)
+    deadline = time.monotonic() + 3
+    while _running(heartbeat) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(heartbeat), "the heartbeat thread did not stop after its flow run"
+    return alive
+
+
+def test_a_flow_runs_end_does_not_wait_for_its_heartbeat_thread(remote_cluster):
+    """Prefect's heartbeat thread sleeps in whole seconds between checks of its stop flag;
+    joined, it holds a flow run's end for up to one. A flow on this runner returns while
+    it may still sleep; one on another runner, in the same process, still joins it."""
+    seen: list = []  # the threads before the call, then the run's heartbeat thread
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def on_this_runner():
+        seen.extend(_new_heartbeat_threads(seen[0]))
+        return interval.submit(0).result()
+
+    @flow(task_runner=ThreadPoolTaskRunner())
+    def on_the_thread_pool():
+        seen.extend(_new_heartbeat_threads(seen[0]))
+        return interval.submit(0).result()
+
+    # A run's end may fall just before the thread's next check: allow a few tries.
+    assert any(_heartbeat_alive_at_return(on_this_runner, seen) for _ in range(10))
+    assert not any(_heartbeat_alive_at_return(on_the_thread_pool, seen) for _ in range(3))
