@@ -180,6 +180,70 @@ def begin_sqlite_write_transactions_immediate() -> bool:
     return True
 
 
+def default_task_run_recorder_batches(batch_size: int, flush_interval_s: float) -> bool:
+    """Give the API server's task-run recorder these batch settings where the user set
+    none (``PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE`` / ``_FLUSH_INTERVAL``).
+    Returns whether this call changed it.
+
+    Prefect's default writes each task-run event in a transaction of its own. Public
+    replacement: the settings themselves (this only changes their defaults), read by
+    ``TaskRunRecorder.service_settings`` when the service starts.
+    """
+    from prefect.server.services.task_run_recorder import TaskRunRecorder
+
+    if getattr(TaskRunRecorder.service_settings, "batch_defaults", None) is not None:
+        return False
+    prefect_settings = TaskRunRecorder.service_settings
+    defaults = {"batch_size": batch_size, "flush_interval": flush_interval_s}
+
+    def service_settings(cls: Any) -> Any:
+        settings = prefect_settings()
+        unset = {name: value for name, value in defaults.items() if name not in settings.model_fields_set}
+        return settings.model_copy(update=unset) if unset else settings
+
+    service_settings.batch_defaults = defaults  # type: ignore[attr-defined]
+    TaskRunRecorder.service_settings = classmethod(service_settings)  # type: ignore[method-assign,assignment]
+    return True
+
+
+def keep_every_recorded_event() -> bool:
+    """Let the subscriptions of the task-run recorder and the event persister to Prefect's
+    in-memory message broker grow instead of dropping events when they are 10,000
+    behind. Returns whether this call changed them.
+
+    Each subscription's queue is ``asyncio.Queue(maxsize=10000)`` and a full one drops
+    the message ("Subscription queue is full, dropping message"): for the recorder, a
+    task run's state that never reaches the database; for the persister, an event the
+    UI's event feed never shows. Public replacement: back-pressure in
+    ``prefect.server.utilities.messaging.memory.Subscription.deliver`` (or a setting for
+    its queue size).
+    """
+    import asyncio
+
+    import prefect.server.events.services.event_persister as persister
+    import prefect.server.services.task_run_recorder as recorder
+
+    changed = False
+    for service in (recorder, persister):
+        prefect_create_consumer = service.create_consumer
+        if getattr(prefect_create_consumer, "keeps_every_event", False):
+            continue
+
+        def create_consumer(*args: Any, _prefect: Any = prefect_create_consumer, **kwargs: Any) -> Any:
+            consumer = _prefect(*args, **kwargs)
+            subscription = getattr(consumer, "subscription", None)  # the in-memory broker's only
+            queue = getattr(subscription, "_queue", None)
+            # Swapped before the event loop runs again, so before any message reaches it.
+            if isinstance(queue, asyncio.Queue) and queue.maxsize and queue.empty():
+                subscription._queue = asyncio.Queue()
+            return consumer
+
+        create_consumer.keeps_every_event = True  # type: ignore[attr-defined]
+        service.create_consumer = create_consumer
+        changed = True
+    return changed
+
+
 # -- distributed -----------------------------------------------------------------
 
 

@@ -29,7 +29,8 @@ CONNECT_TIMEOUT_S = 3
 SQLITE_FIXED = (
     "gpu-tagged task runs whose tags have no limit do not write to it, and its writes wait "
     "for the lock instead of failing (prefect-gpu-dask's server plugin: 1,000 gpu-tagged tasks "
-    "took 1.38x as long as untagged, no 503 answers, one H100, 2026-11-24); one writer at a time"
+    "took 1.38x as long as untagged, no 503 answers, one H100, 2026-11-24), and it records task runs "
+    "in batches, dropping none when it falls behind; one writer at a time"
 )
 SQLITE_UNFIXED = (
     "prefect-gpu-dask's server plugin is off ({why}): writes that meet another one fail with "

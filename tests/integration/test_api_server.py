@@ -1,7 +1,7 @@
 """Prefect's API server on SQLite, started where this package is installed: a flow run
 created while another connection writes waits for the write lock instead of failing
-with "database is locked" (answered 503); with the plugin turned off, Prefect's own
-behaviour comes back."""
+with "database is locked" (answered 503); its task-run recorder writes in batches and
+keeps every event; with the plugin turned off, Prefect's own behaviour comes back."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from prefect_gpu_dask.api_server.sqlite import OPT_OUT
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.api_server.sqlite import OPT_OUT, RECORDER_OPT_OUT
 from tests.servers import SQLITE_FILES, prefect_server
 
 HOLD_S = 2.0
@@ -64,3 +65,60 @@ def test_turned_off_prefects_deferred_transaction_fails_against_the_same_write(m
     if status == 201:
         pytest.fail(f"Prefect's own server waited {took:.2f} s and created the run: nothing to fix here")
     assert status == 503, status
+
+
+@pytest.mark.parametrize(
+    "environment, batches",
+    [
+        ({}, "batch size 100 and flush every 1 seconds"),
+        (
+            {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "7"},
+            "batch size 7 and flush every 1 seconds",
+        ),
+        ({RECORDER_OPT_OUT: "false"}, "batch size 1 and flush every 5 seconds"),
+    ],
+    ids=["default", "user-set", "turned-off"],
+)
+def test_a_sqlite_servers_task_run_recorder_writes_in_batches_unless_told_otherwise(
+    monkeypatch, environment, batches
+):
+    monkeypatch.setenv("PREFECT_SERVER_LOGGING_LEVEL", "INFO")  # the recorder logs its settings
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    starting = "Creating TaskRunRecorder consumer"
+    with prefect_server() as api:
+        log = SQLITE_FILES[api].parent / "server.log"
+        deadline = time.monotonic() + 60
+        while starting not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        created = [line for line in log.read_text().splitlines() if starting in line]
+    assert len(created) == 1 and created[0].endswith(f"with {batches}"), created
+
+
+def test_the_recorders_and_persisters_queues_keep_events_past_the_brokers_limit(monkeypatch):
+    """Prefect's in-memory broker drops what a subscription 10,000 behind is sent; the
+    task-run recorder's and the event persister's keep it (Prefect's real broker, in
+    this process, on a topic of the test's own)."""
+    import asyncio
+
+    import prefect.server.events.services.event_persister as persister
+    import prefect.server.services.task_run_recorder as recorder
+    from prefect.server.utilities.messaging import create_consumer, create_publisher
+
+    for service in (recorder, persister):  # restored after the test
+        monkeypatch.setattr(service, "create_consumer", service.create_consumer)
+    _compat.keep_every_recorded_event()
+    topic = f"events-{uuid.uuid4().hex[:8]}"
+
+    async def queued_after(sent: int) -> list[int]:
+        consumers = [
+            recorder.create_consumer(topic, group="task-run-recorder", name="recorder"),
+            persister.create_consumer(topic, group="event-persister", name="persister"),
+            create_consumer(topic, group="another", name="another"),  # Prefect's own limit
+        ]
+        async with create_publisher(topic) as publisher:
+            for i in range(sent):
+                await publisher.publish_data(b"{}", {"id": str(i)})
+        return [consumer.subscription._queue.qsize() for consumer in consumers]
+
+    assert asyncio.run(queued_after(10_050)) == [10_050, 10_050, 10_000]
