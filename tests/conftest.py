@@ -192,3 +192,25 @@ def task_run_logs(task_run_id, containing: str = "", timeout: float = 20) -> lis
             if any(containing in line for line in lines) or time.monotonic() > deadline:
                 return lines
             time.sleep(0.25)
+
+
+def recorded_task_run(
+    task_run_id, settled=lambda run: run.state is not None and run.state.is_final(), timeout=30
+):
+    """The task run as the API has recorded it, once ``settled(run)``: its states reach the
+    server as events, which its task-run recorder writes in batches (a second or so late),
+    so poll, taking "not found" for "not yet"."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                run = client.read_task_run(task_run_id)
+            except ObjectNotFound:
+                run = None
+            if (run is not None and settled(run)) or time.monotonic() > deadline:
+                assert run is not None, f"the API never recorded task run {task_run_id}"
+                return run
+            time.sleep(0.25)

@@ -68,6 +68,8 @@ from prefect_gpu_dask.scheduler.recycling import (
 from prefect_gpu_dask.worker.guard import replacement_state
 from prefect_gpu_dask.worker.recycling import drain, resume
 
+logger = logging.getLogger(__name__)
+
 POLL_S = 0.05
 RESUMED_S = 0.2  # how long a resumed worker gets to pick up the task it must run
 HOLD_S = 30.0  # the longest "cluster" blocks submissions before letting some through
@@ -575,13 +577,20 @@ class RecyclableFuture(PrefectDaskFuture):
             return True
         return self.read_ahead is not None and self.read_ahead.fetch(self, timeout)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def _fetched_or_timed_out(self, timeout: float | None) -> tuple[bool, bool]:
+        """Whether the final state is here, and whether ``timeout`` passed before the run
+        ended. Where fetching failed, neither: prefect-dask's own path waits and says why."""
         try:
             fetched = self._fetched(timeout)
-        except Exception:  # as prefect-dask's ``wait``: it only waits, the result says why
-            fetched = False
-        if fetched or (self.read_ahead is not None and not self.wrapped_future.done()):
-            return  # fetched, or still running after ``timeout``
+        except Exception:
+            logger.debug("Fetching the state of %s failed", self.task_run_id, exc_info=True)
+            return False, False
+        return fetched, not fetched and self.read_ahead is not None and not self.wrapped_future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        fetched, timed_out = self._fetched_or_timed_out(timeout)
+        if fetched or timed_out:
+            return
         try:
             super().wait(timeout)
         except CancelledError:
@@ -589,7 +598,8 @@ class RecyclableFuture(PrefectDaskFuture):
                 raise
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        if not self._fetched(timeout) and self.read_ahead is not None and not self.wrapped_future.done():
+        _, timed_out = self._fetched_or_timed_out(timeout)
+        if timed_out:
             # As prefect-dask says it, once: ``timeout`` has passed already.
             raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} seconds")
         try:

@@ -11,6 +11,7 @@ from prefect.context import FlowRunContext
 from prefect.variables import Variable
 
 from prefect_gpu_dask import GPUDaskTaskRunner
+from tests.conftest import recorded_task_run
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20
@@ -364,8 +365,8 @@ def test_an_oom_is_retried_as_the_task_runs_own_retry():
     state, task_run_id, records = retried()
     from prefect.client.orchestration import get_client
 
+    run = recorded_task_run(task_run_id)
     with get_client(sync_client=True) as api:
-        run = api.read_task_run(task_run_id)
         names = [s.name for s in api.read_task_run_states(task_run_id)]
     verdicts = [r.verdict for r in records if r.task_run_id == str(task_run_id)]
     print("oom retry:", state.name, "run_count", run.run_count, "states", names, "verdicts", verdicts)

@@ -26,6 +26,7 @@ from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner
 from prefect_gpu_dask.worker.recycling import drain
+from tests.conftest import recorded_task_run
 from tests.scripted_probe import FAKE_PROBE, churn, leak, native, native_once
 
 MiB = 2**20
@@ -449,8 +450,8 @@ def test_an_oom_retry_runs_on_another_gpu_when_its_own_memory_did_not_come_back(
     ran_on, task_run_id, records, restarts = retried_elsewhere()
     first, second = [line.split()[0] for line in Path(ledger).read_text().splitlines()]
     assert first != second and ran_on == second
+    run = recorded_task_run(task_run_id)
     with get_client(sync_client=True) as api:
-        run = api.read_task_run(task_run_id)
         names = [s.name for s in api.read_task_run_states(task_run_id)]
     assert run.run_count == 2 and run.state.is_completed(), (run.run_count, names)
     assert "Retrying" in names or "AwaitingRetry" in names, names

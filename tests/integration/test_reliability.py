@@ -19,11 +19,10 @@ import distributed
 import pytest
 from distributed import Client
 from prefect import flow, task
-from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner
-from tests.conftest import DaskProcesses
+from tests.conftest import DaskProcesses, recorded_task_run
 from tests.scripted_probe import FAKE_PROBE, leak
 
 MiB = 2**20
@@ -56,13 +55,9 @@ def max_concurrency(spans: list[tuple[float, float]]) -> int:
 
 def api_state(task_run_id, settled, timeout: float = 20):
     """The task run's state as the API has it, once ``settled(state)`` (events are async)."""
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            state = client.read_task_run(task_run_id).state
-            if (state is not None and settled(state)) or time.monotonic() > deadline:
-                return state
-            time.sleep(0.25)
+    return recorded_task_run(
+        task_run_id, lambda run: run.state is not None and settled(run.state), timeout
+    ).state
 
 
 # -- tasks (module level: they travel to the workers by reference) -----------------
@@ -619,8 +614,7 @@ def test_a_task_stuck_past_its_timeout_ends_timed_out_once_and_its_worker_is_rec
     pid, started_at = wait_for_file(ledger).split()
     past_deadline_s = settled_at - (float(started_at) + 2)
     assert past_deadline_s <= 5, f"the flow saw the timeout {past_deadline_s:.1f} s after the deadline"
-    with get_client(sync_client=True) as api:
-        recorded = api.read_task_run(task_run_id).state
+    recorded = api_state(task_run_id, lambda state: state.is_final())
     assert recorded.name == "TimedOut", recorded
     assert len(ledger.read_text().splitlines()) == 1 and pid == str(old_pid), "the stuck task ran again"
     assert old_pid not in later, "the worker holding the stuck thread was not recycled"

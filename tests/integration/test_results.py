@@ -118,6 +118,33 @@ def test_failed_and_unfinished_task_runs_read_ahead_keep_their_meaning(remote_cl
     assert slow_result == 8.0
 
 
+class _FailingReadAhead(ReadAhead):
+    """Reading ahead that fails for its own reasons (a dropped connection, say)."""
+
+    def fetch(self, future, timeout=None):
+        raise RuntimeError("fetching failed")
+
+
+def test_a_fetch_that_fails_leaves_wait_and_result_to_prefect_dasks_own_path(remote_cluster):
+    """``wait()`` still waits for the run to end, and its state is the run's own, not
+    whatever the API has recorded so far; ``result()`` still gives the value."""
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def waits():
+        waited, asked = slow.submit(1.5), slow.submit(1.0)
+        for future in (waited, asked):
+            future.read_ahead = _FailingReadAhead(future.wrapped_future.client)
+        start = time.monotonic()
+        waited.wait()
+        waited_s = time.monotonic() - start
+        return waited_s, waited.state, asked.result()
+
+    waited_s, state, result = waits()
+    assert waited_s >= 1.0, f"wait() returned after {waited_s:.2f} s, before the run ended"
+    assert state.is_completed(), state
+    assert result == 1.0
+
+
 def test_a_negative_read_ahead_window_is_refused():
     with pytest.raises(ValueError, match="-1"):
         ReadAhead(client=None, window=-1)

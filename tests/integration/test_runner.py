@@ -17,7 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, forkserver
 from prefect_gpu_dask.flow import routing
-from tests.conftest import task_run_logs, worker_process_state
+from tests.conftest import recorded_task_run, task_run_logs, worker_process_state
 
 
 @task(tags=["gpu"])
@@ -428,8 +428,8 @@ def test_oom_retries_retry_only_out_of_memory_as_the_task_runs_own_retries(remot
     assert other.is_failed() and len(other_ledger.read_text().splitlines()) == 1  # no retries of its own
     from prefect.client.orchestration import get_client
 
+    run = recorded_task_run(task_run_id)
     with get_client(sync_client=True) as api:
-        run = api.read_task_run(task_run_id)
         names = [s.name for s in api.read_task_run_states(task_run_id)]
     assert run.run_count == 2 and run.state.is_completed(), (run.run_count, names)
     assert "Retrying" in names or "AwaitingRetry" in names, names

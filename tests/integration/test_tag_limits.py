@@ -16,6 +16,7 @@ from prefect.client.orchestration import get_client
 
 from prefect_gpu_dask import GPUDaskTaskRunner
 from prefect_gpu_dask._compat import tag_limit_memory_s
+from tests.conftest import recorded_task_run
 from tests.integration.test_reliability import max_concurrency
 from tests.servers import SQLITE_FILES
 
@@ -79,8 +80,7 @@ def test_tag_limits_hold_and_unlimited_tags_stay_on_the_run(remote_cluster, tag_
     limited, unlimited, task_run_id = tagged()
     assert max_concurrency(limited) == 1, limited
     assert max_concurrency(unlimited) >= 2, unlimited
-    with get_client(sync_client=True) as api:
-        assert free in api.read_task_run(task_run_id).tags
+    assert free in recorded_task_run(task_run_id, settled=lambda run: True).tags
 
 
 def test_a_limit_made_while_the_flow_runs_holds_as_soon_as_prefects_client_would_see_it(
