@@ -6,6 +6,10 @@ took to record them all and how many never became final, and counts the server's
 "Subscription queue is full" lines (its in-memory broker dropping a message).
 
     python benchmarks/probes/event_loss.py [--tasks 2000] [--flows 3] [--threads 8] [--out FILE]
+
+``--per-consumer`` also counts, inside the server, each broker consumer's dropped
+messages and deepest queue (a ``sitecustomize`` the embedded server picks up from
+``PYTHONPATH``, wrapping Prefect's in-memory ``Consumer`` and ``Subscription.deliver``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,49 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 QUEUE_FULL = "Subscription queue is full"
+# Loaded by every Python process started with the probe's PYTHONPATH; acts only in the
+# one that imports Prefect's in-memory broker and starts its consumers: the server.
+PER_CONSUMER = """
+import collections, importlib.abc, importlib.util, json, os, sys, threading, time
+TARGET = "prefect.server.utilities.messaging.memory"
+def patch(memory):
+    drops, deepest = collections.Counter(), collections.Counter()
+    consumer_init, deliver = memory.Consumer.__init__, memory.Subscription.deliver
+    def init(self, topic, subscription=None, concurrency=2, **kwargs):
+        consumer_init(self, topic, subscription, concurrency, **kwargs)
+        self.subscription._label = kwargs.get("group") or kwargs.get("name") or "ephemeral"
+    async def counted(self, message):
+        label = getattr(self, "_label", "unnamed")
+        deepest[label] = max(deepest[label], self._queue.qsize())
+        drops[label] += self._queue.full()
+        return await deliver(self, message)
+    memory.Consumer.__init__, memory.Subscription.deliver = init, counted
+    def report():
+        while True:
+            time.sleep(2)
+            if not deepest:  # a process that imported the broker but runs no server
+                continue
+            with open(os.environ["EVENT_LOSS_PER_CONSUMER"], "w") as out:
+                json.dump({"dropped": drops, "deepest_queue": deepest}, out)
+    threading.Thread(target=report, daemon=True).start()
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        class Patching(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+        spec.loader = Patching()
+        return spec
+if os.environ.get("EVENT_LOSS_PER_CONSUMER"):
+    sys.meta_path.insert(0, Finder())
+"""
 FINAL = ("COMPLETED", "FAILED", "CRASHED")
 
 
@@ -72,9 +119,17 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--settle", type=float, default=20.0, help="seconds to wait after each flow run")
     parser.add_argument("--catch-up", type=float, default=300.0, help="seconds to wait after the last")
+    parser.add_argument("--per-consumer", action="store_true", help="count each consumer's drops")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     log = ServerLog()
+    per_consumer = None
+    if args.per_consumer:  # before the flow's first API call starts the server
+        site = Path(tempfile.mkdtemp(prefix="event-loss-site-"))
+        (site / "sitecustomize.py").write_text(PER_CONSUMER)
+        per_consumer = site / "per-consumer.json"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+        os.environ["EVENT_LOSS_PER_CONSUMER"] = str(per_consumer)
 
     from prefect import flow, task
     from prefect.context import get_run_context
@@ -137,6 +192,10 @@ def main() -> int:
         "catching_up": later,
         "queue_full_lines": log.count(QUEUE_FULL),
     }
+    if per_consumer is not None:
+        time.sleep(2.5)
+        summary["per_consumer"] = json.loads(per_consumer.read_text()) if per_consumer.exists() else None
+        print("per consumer:", summary["per_consumer"])
     print(
         f"task runs not final {args.settle:g} s after their flow run: {summary['not_final']}; "
         f"{later[-1]['after_last_flow_s']:g} s after the last: {later[-1]['not_final']}; "
