@@ -135,6 +135,9 @@ SHOWN_TABLES = (
     "events",
     "event_resources",
 )
+# Open things a sample may catch a few of in passing (a concurrent run's connections,
+# a heartbeat thread still asleep): they must also grow by more than this many.
+COUNT_SLACK = {"fds": 8, "threads": 4, "threads_active": 4}
 # Counts that must not grow beyond --growth-limit after the warm-up.
 CHECKED_GROWTH = (
     "rss_kib",
@@ -782,7 +785,8 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
     """Last sample against the first after the warm-up window, figure by figure.
 
     A level (RSS, threads, ...) is compared at the end of both windows; rows per run over
-    each window. A figure that was 0 may not grow at all; RSS has a limit of its own.
+    each window. A figure that was 0 may not grow at all; RSS has a limit of its own;
+    open files and threads must also grow by more than ``COUNT_SLACK``.
     RSS rises and falls with Python's full collections, a cycle as long as a short soak,
     so with four samples or more it is checked as the median of the later half against
     the median of the earlier half (``rss_halves``), against half the limit: the two
@@ -800,7 +804,8 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
         fraction = change / a[name] if a[name] else (0.0 if change <= 0 else float("inf"))
         figures[name] = {"first": a[name], "last": b[name], "growth": round(fraction, 4)}
         checked = name in CHECKED_GROWTH or name.startswith("rows_per_run.")
-        if checked and fraction > (rss_limit if name == "rss_kib" else limit):
+        beyond_slack = change > COUNT_SLACK.get(name, 0)
+        if checked and beyond_slack and fraction > (rss_limit if name == "rss_kib" else limit):
             exceeded.append(name)
     halves = rss_halves(after)
     if halves is not None and "rss_kib" in figures:
