@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,23 @@ class Options:
     tagged_tasks: int
     tagged_rounds: int
     scaling_sizes: tuple[tuple[int, int], ...]  # (side, chunk side) for the scaling section
+
+
+class ServerLog:
+    """This process's stderr, which the embedded server inherits, copied to a file."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self._tee = os.popen(f"tee -a {self.file.name} >&2", "w")  # noqa: S605
+        os.dup2(self._tee.fileno(), 2)
+
+    def count(self, *texts: str) -> dict[str, int]:
+        """How often each of ``texts`` is in the log so far."""
+        sys.stderr.flush()
+        time.sleep(0.5)
+        with open(self.file.name, errors="replace") as log_file:
+            log = log_file.read()
+        return {text: log.count(text) for text in texts}
 
 
 def runs_of(fn, repeat: int) -> list[float]:

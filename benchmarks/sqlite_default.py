@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
     WARM_TASKS,
+    ServerLog,
     device_name,
     p95,
     spread,
@@ -49,28 +50,12 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 RETRYABLE = "Encountered retryable exception in request"
 LOCKED = "database is locked"
-
-
-class ServerLog:
-    """This process's stderr, which the embedded server inherits, copied to a file."""
-
-    def __init__(self) -> None:
-        self.file = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self._tee = os.popen(f"tee -a {self.file.name} >&2", "w")  # noqa: S605
-        os.dup2(self._tee.fileno(), 2)
-
-    def counts(self) -> dict[str, int]:
-        sys.stderr.flush()
-        time.sleep(0.5)
-        text = Path(self.file.name).read_text(errors="replace")
-        return {"503": text.count(RETRYABLE), "database_is_locked": text.count(LOCKED)}
 
 
 class LogTimes(logging.Handler):
@@ -277,7 +262,8 @@ def main() -> int:
         result["cube"] = cube(args.cube_runs, gpu, runner_kwargs)
     if "join" in sections:
         result["join"] = join(args.join_runs, gpu, args.slots, marks)
-    result["server_log"] = server_log.counts()
+    counts = server_log.count(RETRYABLE, LOCKED)
+    result["server_log"] = {"503": counts[RETRYABLE], "database_is_locked": counts[LOCKED]}
 
     head = f"{result['date']} {result['device']}, {result['cores']} cores"
     print(f"\n# {head}; {result['server']}; {result['cluster']}")

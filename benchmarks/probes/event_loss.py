@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import use_readme_default  # noqa: E402
+from benchmarks.common import ServerLog, use_readme_default  # noqa: E402
 
 use_readme_default("event-loss")
 
@@ -74,20 +74,6 @@ if os.environ.get("EVENT_LOSS_PER_CONSUMER"):
     sys.meta_path.insert(0, Finder())
 """
 FINAL = ("COMPLETED", "FAILED", "CRASHED")
-
-
-class ServerLog:
-    """This process's stderr, which the embedded server inherits, copied to a file."""
-
-    def __init__(self) -> None:
-        self.file = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self._tee = os.popen(f"tee -a {self.file.name} >&2", "w")  # noqa: S605
-        os.dup2(self._tee.fileno(), 2)
-
-    def count(self, text: str) -> int:
-        sys.stderr.flush()
-        time.sleep(0.5)
-        return Path(self.file.name).read_text(errors="replace").count(text)
 
 
 def states_of(flow_run_id: str) -> collections.Counter:
@@ -169,7 +155,7 @@ def main() -> int:
             "recorded_after_s": round(time.perf_counter() - ended, 3),
             "states": dict(counts),
             "not_final": args.tasks - final,
-            "queue_full_lines_so_far": log.count(QUEUE_FULL),
+            "queue_full_lines_so_far": log.count(QUEUE_FULL)[QUEUE_FULL],
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -190,7 +176,7 @@ def main() -> int:
         "rows": rows,
         "not_final": sum(r["not_final"] for r in rows),
         "catching_up": later,
-        "queue_full_lines": log.count(QUEUE_FULL),
+        "queue_full_lines": log.count(QUEUE_FULL)[QUEUE_FULL],
     }
     if per_consumer is not None:
         time.sleep(2.5)
