@@ -16,7 +16,8 @@ In one run, with the server logging every request it answers 503
   joins): from the call to the first task's result, from the last result to the call's
   return, and where that time goes, read from the timestamps of Prefect's and the
   runner's own log lines.
-- the 503 answers and ``database is locked`` lines the server logged during all of it.
+- the 503 answers, ``database is locked`` lines and dropped events ("Subscription queue is
+  full") the server logged during all of it.
 
 Prints a table and writes ``benchmarks/results/<date>-<device>-sqlite-default.json``.
 
@@ -56,6 +57,7 @@ from typing import Any  # noqa: E402
 
 RETRYABLE = "Encountered retryable exception in request"
 LOCKED = "database is locked"
+DROPPED = "Subscription queue is full"  # an event (a task-run state among them) the server dropped
 
 
 class LogTimes(logging.Handler):
@@ -262,8 +264,12 @@ def main() -> int:
         result["cube"] = cube(args.cube_runs, gpu, runner_kwargs)
     if "join" in sections:
         result["join"] = join(args.join_runs, gpu, args.slots, marks)
-    counts = server_log.count(RETRYABLE, LOCKED)
-    result["server_log"] = {"503": counts[RETRYABLE], "database_is_locked": counts[LOCKED]}
+    counts = server_log.count(RETRYABLE, LOCKED, DROPPED)
+    result["server_log"] = {
+        "503": counts[RETRYABLE],
+        "database_is_locked": counts[LOCKED],
+        "events_dropped": counts[DROPPED],
+    }
 
     head = f"{result['date']} {result['device']}, {result['cores']} cores"
     print(f"\n# {head}; {result['server']}; {result['cluster']}")
@@ -291,7 +297,10 @@ def main() -> int:
             if isinstance(value, dict):
                 print(f"  {key:32s} {value['median_s']:.3f} s  {value['p95_s']:.3f} s")
     logged = result["server_log"]
-    print(f"server: {logged['503']} answers 503, {logged['database_is_locked']} 'database is locked'")
+    print(
+        f"server: {logged['503']} answers 503, {logged['database_is_locked']} 'database is locked', "
+        f"{logged['events_dropped']} 'Subscription queue is full'"
+    )
     slug = result["device"].replace(" ", "-").replace("(", "").replace(")", "").lower()
     out = Path(
         args.out or Path(ROOT) / "benchmarks" / "results" / f"{result['date']}-{slug}-sqlite-default.json"
