@@ -168,7 +168,15 @@ def restart_reason(
 
 
 def over_limit(sample: MemorySample, settings: RunnerSettings) -> bool:
-    return bool(sample.device_total) and sample.device_used / sample.device_total > settings.memory_limit
+    """The GPU is above ``memory_limit`` and recycling this worker would bring it back
+    under: memory other processes hold (another cluster's worker, a notebook) comes back
+    with no restart of this one, so recycling for it would only repeat after every task.
+    Where the driver cannot attribute memory per process, the device-wide figure decides."""
+    if not sample.device_total:
+        return False
+    limit = settings.memory_limit * sample.device_total
+    others = sample.device_used - sample.process if sample.process >= 0 else 0
+    return sample.device_used > limit and others <= limit
 
 
 def verdict_for(

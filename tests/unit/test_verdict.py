@@ -448,3 +448,16 @@ def test_a_failed_task_is_judged_after_its_frames_let_go(tmp_path):
     finally:
         guard_module.current_guard = original
     assert verdicts == ["clean"]
+
+
+def test_memory_other_processes_hold_never_recycles_this_worker():
+    """Over the limit because another process holds most of the GPU: a restart of this
+    worker would not bring it back under, so none is asked for (it would repeat after
+    every task). Where this worker's own memory takes it over, it is recycled."""
+    others = int(0.93 * 16 * GiB)
+    verdict, _, _ = run(ScriptedProbe(1 * GiB, device_used=others + 1 * GiB))
+    assert verdict.status == CLEAN and verdict.restart_reason is None
+    # This worker holds 4 GiB from earlier tasks; without them the GPU is at 70 %.
+    verdict, _, _ = run(ScriptedProbe(4 * GiB, device_used=int(0.95 * 16 * GiB)), before=4 * GiB)
+    assert verdict.status == CLEAN
+    assert verdict.restart_reason.startswith("memory limit: GPU 95% used")
