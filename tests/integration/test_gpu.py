@@ -484,18 +484,18 @@ def waits_for(seconds: float) -> None:
 
 
 def nvidia_smi_power(stop, samples: list) -> None:
-    """``nvidia-smi --query-gpu=power.draw`` every 100 ms: (epoch seconds, watts)."""
+    """``nvidia-smi --query-gpu=power.draw`` of every GPU every 100 ms: (GPU UUID, epoch
+    seconds, watts). Every GPU: which one a task lands on is the scheduler's choice."""
     import datetime
     import subprocess
 
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    query = ["nvidia-smi", "-i", gpu, "--query-gpu=timestamp,power.draw", "--format=csv,noheader,nounits"]
+    query = ["nvidia-smi", "--query-gpu=uuid,timestamp,power.draw", "--format=csv,noheader,nounits"]
     with subprocess.Popen([*query, "-lms", "100"], stdout=subprocess.PIPE, text=True) as smi:
         try:
             for line in smi.stdout:
-                stamp, watts = (part.strip() for part in line.split(","))
+                uuid, stamp, watts = (part.strip() for part in line.split(","))
                 when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                samples.append((when, float(watts)))
+                samples.append((uuid, when, float(watts)))
                 if stop.is_set():
                     break
         finally:
@@ -527,7 +527,7 @@ def test_a_busy_task_and_an_idle_one_differ_in_utilisation_and_energy_as_nvidia_
     smi = {}
     for name, r in records.items():
         start, end = r.time - r.duration_s, r.time
-        inside = [watts for when, watts in power if start <= when <= end]
+        inside = [watts for uuid, when, watts in power if uuid == r.gpu_uuid and start <= when <= end]
         smi[name] = sum(inside) / len(inside) * r.duration_s if inside else None
         print(
             f"{name}: {r.duration_s:.2f} s, SM {r.sm_util_mean}% mean / {r.sm_util_peak}% peak "

@@ -134,18 +134,22 @@ def test_on_a_gpu_the_metrics_are_the_gpus_own():
         [f.result() for f in [matmuls.submit(50) for _ in range(3)]]
         client = FlowRunContext.get().task_runner.client
         scheduler = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.http_server.port)
-        [worker] = client.run(lambda dask_worker: dask_worker.http_server.port).values()
-        return {"cluster": scrape(scheduler), "worker": scrape(worker)}
+        workers = client.run(lambda dask_worker: dask_worker.http_server.port).values()
+        return {"cluster": scrape(scheduler), "workers": [scrape(port) for port in workers]}
 
     found = night()
-    for name, samples in sorted({**found["cluster"], **found["worker"]}.items()):
-        for sample in samples if name.startswith("prefect_gpu_dask") else ():
-            print(name, sample.labels, sample.value)
-    worker, cluster = found["worker"], found["cluster"]
-    [total] = worker["prefect_gpu_dask_gpu_memory_total_bytes"]
-    assert total.value > 10 * 2**30 and total.labels["model"].startswith("NVIDIA")
-    assert worker["prefect_gpu_dask_gpu_power_watts"][0].value > 10
-    assert worker["prefect_gpu_dask_gpu_temperature_celsius"][0].value > 0
+    cluster = found["cluster"]
+    for scraped in (cluster, *found["workers"]):
+        for name, samples in sorted(scraped.items()):
+            for sample in samples if name.startswith("prefect_gpu_dask") else ():
+                print(name, sample.labels, sample.value)
+    for worker in found["workers"]:  # one per GPU, each its own GPU's figures
+        [total] = worker["prefect_gpu_dask_gpu_memory_total_bytes"]
+        assert total.value > 10 * 2**30 and total.labels["model"].startswith("NVIDIA")
+        assert worker["prefect_gpu_dask_gpu_power_watts"][0].value > 10
+        assert worker["prefect_gpu_dask_gpu_temperature_celsius"][0].value > 0
+    uuids = [w["prefect_gpu_dask_gpu_memory_total_bytes"][0].labels["uuid"] for w in found["workers"]]
+    assert len(set(uuids)) == len(uuids), uuids
     verdicts = sum(s.value for s in cluster["prefect_gpu_dask_task_verdicts_total"])
     assert verdicts == 3
     assert sum(s.value for s in cluster["prefect_gpu_dask_gpu_energy_joules_total"]) > 0
