@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from prefect.filesystems import LocalFileSystem
 
 from prefect_gpu_dask import _compat
@@ -48,8 +49,7 @@ def test_a_relative_base_path_follows_the_working_directory(tmp_path, monkeypatc
     for directory in ("one", "two"):
         (tmp_path / directory).mkdir()
         monkeypatch.chdir(tmp_path / directory)
-        resolved = LocalFileSystem(basepath="storage")._resolve_path("k")
-        assert resolved == tmp_path / directory / "storage" / "k"
+        assert LocalFileSystem(basepath="storage")._resolve_path("k") == tmp_path / directory / "storage" / "k"
 
 
 def test_the_engines_persisted_results_land_where_prefect_puts_them(tmp_path):
