@@ -244,52 +244,6 @@ def keep_every_recorded_event() -> bool:
     return changed
 
 
-def resolve_local_result_paths_once() -> bool:
-    """Make Prefect's ``LocalFileSystem._resolve_path`` resolve its base path once.
-
-    Every task run resolves its result record's storage path two or three times, also
-    where results are not persisted; each time ``Path.resolve`` walks the base path and
-    then the whole key path, one ``lstat`` per component. On a worker each of those
-    system calls hands the GIL over and waits to take it back behind the other threads,
-    so a ``gpu`` task run queued on one GPU slot waits through them one after another.
-
-    Here an absolute base path (``~`` expanded) is resolved once per process, and a key
-    that is a plain file name under it costs one ``lstat``: one that is a symbolic link,
-    and every other path, goes to Prefect's own resolution. The paths are the ones Prefect
-    computes, unless the base path's own symbolic links change while the process runs.
-    Public replacement: none; upstream, the block resolving its base path once.
-    """
-    import os
-    from pathlib import Path
-
-    from prefect.filesystems import LocalFileSystem
-
-    prefect_resolve = LocalFileSystem._resolve_path
-    if getattr(prefect_resolve, "resolves_base_once", False):
-        return False
-    bases: dict[tuple[str, str], Path] = {}
-
-    def _resolve_path(self: Any, path: Any) -> Path:
-        name = path if isinstance(path, str) else None
-        if not self.basepath or name is None or name in (".", "..") or "/" in name or name.startswith("~"):
-            return prefect_resolve(self, path)
-        base_key = (str(self.basepath), os.environ.get("HOME", ""))
-        base = bases.get(base_key)
-        if base is None:
-            expanded = Path(self.basepath).expanduser()
-            if not expanded.is_absolute():  # relative to a working directory that may change
-                return prefect_resolve(self, path)
-            base = bases[base_key] = expanded.resolve()
-        if not name:
-            return base
-        resolved = base / name
-        return prefect_resolve(self, path) if os.path.islink(resolved) else resolved
-
-    _resolve_path.resolves_base_once = True  # type: ignore[attr-defined]
-    LocalFileSystem._resolve_path = _resolve_path
-    return True
-
-
 # -- distributed -----------------------------------------------------------------
 
 

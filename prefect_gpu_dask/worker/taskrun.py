@@ -66,7 +66,6 @@ def prepare_process() -> None:
       thread-safe, and a run context built in between is validated as its parent class.
     """
     ensure_logging_setup()
-    _compat.resolve_local_result_paths_once()
     with hydrated_context(None):  # completes the run-context models, as the engine would
         pass
 
