@@ -99,7 +99,8 @@ def gpu0_nearly_full():
 
 def test_an_out_of_memory_retry_moves_to_the_gpu_with_the_most_free_memory(gpu0_nearly_full):
     """Two 8 GiB tasks at once, one per GPU: GPU 0 has 4 GiB free, so the one there runs
-    out of memory; its retry (the task run's own, one run count more) runs on GPU 1."""
+    out of memory; its retry (the task run's own, one run count more) runs on GPU 1. GPU 0
+    stays above the memory limit, by the other process's memory only: no restart."""
 
     @flow(task_runner=GPUDaskTaskRunner(oom_retries=1))
     def two_at_once():
@@ -107,9 +108,9 @@ def test_an_out_of_memory_retry_moves_to_the_gpu_with_the_most_free_memory(gpu0_
         for future in futures:
             future.wait()
         runner = FlowRunContext.get().task_runner
-        return [(f.state, f.task_run_id) for f in futures], runner.records
+        return [(f.state, f.task_run_id) for f in futures], runner.records, runner.restarts
 
-    runs, records = two_at_once()
+    runs, records, restarts = two_at_once()
     print(f"GPU 0 held by another process: {gpu0_nearly_full / GiB:.1f} GiB")
     for r in records:
         print(f"record: {r.task_run_name:<14} GPU {r.gpu_index} {r.verdict:<6} asked {r.oom_requested}")
@@ -124,6 +125,7 @@ def test_an_out_of_memory_retry_moves_to_the_gpu_with_the_most_free_memory(gpu0_
     assert moved[0][0] == (0, "oom") and moved[0][1][0] == 1
     [moved_id] = [task_run_id for task_run_id, attempts in by_run.items() if len(attempts) == 2]
     assert recorded_task_run(moved_id).run_count == 2
+    assert restarts == (), restarts  # a restart would not give the other process's memory back
 
 
 def test_queued_work_leaves_a_gpu_quarantined_before_its_task(tmp_path, monkeypatch):
