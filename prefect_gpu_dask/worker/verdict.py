@@ -169,8 +169,9 @@ def restart_reason(
 
 def over_limit(sample: MemorySample, settings: RunnerSettings) -> bool:
     """The GPU is above ``memory_limit`` and recycling this worker would bring it back
-    under: memory other processes hold (another cluster's worker, a notebook) comes back
-    with no restart of this one, so recycling for it would only repeat after every task.
+    under. Memory other processes hold (another cluster's worker, a notebook) does not
+    come back when this one restarts, so recycling for it would only repeat after every
+    task.
     Where the driver cannot attribute memory per process, the device-wide figure decides."""
     if not sample.device_total:
         return False
