@@ -159,6 +159,20 @@ def worker_process_state() -> tuple[int, int, bool]:
     return os.getpid(), os.getppid(), "prefect.task_engine" in sys.modules
 
 
+@pytest.fixture(autouse=True)
+def one_gpu_test_at_a_time(request) -> Iterator[None]:
+    """GPU tests share the host's GPUs: with test processes side by side (``-n 2``), one
+    filling a GPU on purpose would starve the other's. They take turns, host-wide."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import fcntl
+
+    with open(Path(tempfile.gettempdir()) / "prefect-gpu-dask-gpu-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def remote_cluster(tmp_path_factory) -> Iterator[DaskProcesses]:
     """A scheduler, one worker labelled GPU=1 and one plain CPU worker."""

@@ -174,6 +174,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.probe: MemoryProbe | None = None
         self.worker: Any = None
         self.baseline: MemorySample | None = None
+        self.context_bytes = 0  # this process's GPU memory with only its CUDA context
         self.recycling: WorkerRecycling | None = None
         self.tasks_run = 0
         self._tasks_of: collections.Counter[str | None] = collections.Counter()  # per flow run
@@ -294,6 +295,7 @@ class GPUMemoryGuard(WorkerPlugin):
         before = self._read_process()
         if before.process == 0 and _create_cuda_context():
             before = self._read_process()  # the context is the process's, not the task's
+            self.context_bytes = max(before.process, 0)
         held = self._read_allocators()
         before = before._replace(cached=held.cached, owned=held.owned)
         self._sampler.start(ticket, before.judged)
@@ -333,6 +335,7 @@ class GPUMemoryGuard(WorkerPlugin):
             # Again on this thread, and no thread new since: no library's first use left.
             grew_before=threads_then is not None and _pool_threads() <= threads_then,
             oom=oom,
+            replacement_bytes=self.context_bytes,  # a replacement makes its own context
         )
         if verdict.status == LIBRARY:
             self._grew[key] = _pool_threads()

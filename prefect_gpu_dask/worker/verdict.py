@@ -150,14 +150,16 @@ def restart_reason(
     delta: int,
     tasks_run: int,
     settings: RunnerSettings,
+    replacement_bytes: int = 0,
 ) -> str | None:
-    """Why this worker should be recycled now, or None."""
+    """Why this worker should be recycled now, or None. ``replacement_bytes``: what a
+    replacement of this worker holds on the GPU once serving (its CUDA context)."""
     if status == LEAK:
         threshold = format_bytes(settings.leak_threshold)
         return f"leak: task left {format_bytes(delta)} on the GPU (threshold {threshold})"
     if status == OOM and delta > settings.leak_threshold:
         return f"oom: {format_bytes(delta)} still held after an out-of-memory error and a cache flush"
-    if over_limit(after, settings):
+    if over_limit(after, settings, replacement_bytes):
         return (
             f"memory limit: GPU {after.device_used / after.device_total:.0%} used "
             f"(limit {settings.memory_limit:.0%})"
@@ -167,17 +169,19 @@ def restart_reason(
     return None
 
 
-def over_limit(sample: MemorySample, settings: RunnerSettings) -> bool:
+def over_limit(sample: MemorySample, settings: RunnerSettings, replacement_bytes: int = 0) -> bool:
     """The GPU is above ``memory_limit`` and recycling this worker would bring it back
-    under. Memory other processes hold (another cluster's worker, a notebook) does not
-    come back when this one restarts, so recycling for it would only repeat after every
-    task.
+    under, with its replacement holding ``replacement_bytes``. Memory other processes
+    hold (another cluster's worker, a notebook) does not come back when this one
+    restarts, so recycling for it would only repeat after every task.
     Where the driver cannot attribute memory per process, the device-wide figure decides."""
     if not sample.device_total:
         return False
     limit = settings.memory_limit * sample.device_total
-    others = sample.device_used - sample.process if sample.process >= 0 else 0
-    return sample.device_used > limit and others <= limit
+    if sample.process < 0:
+        return sample.device_used > limit
+    others = sample.device_used - sample.process
+    return sample.device_used > limit and others + replacement_bytes <= limit
 
 
 def verdict_for(
@@ -190,21 +194,24 @@ def verdict_for(
     allocators: Callable[[], AllocatorBytes] = no_allocators,
     grew_before: bool = False,
     oom: OutOfMemory | None = None,
+    replacement_bytes: int = 0,
 ) -> Verdict:
     """The verdict on one task. ``oom``: the task failed on a CUDA out-of-memory error;
     its verdict is ``oom``, and its worker is recycled only if, with the pools flushed,
-    the memory has not come back."""
+    the memory has not come back. ``replacement_bytes``: see ``restart_reason``."""
     read = functools.partial(_read, probe, allocators)
     if oom is not None:
         release_caches()
         sleep(settings.settle_s)
         after = read()
         delta = after.live - before.live
-        return Verdict(OOM, before, after, delta, restart_reason(OOM, after, delta, tasks_run, settings), oom)
+        reason = restart_reason(OOM, after, delta, tasks_run, settings, replacement_bytes)
+        return Verdict(OOM, before, after, delta, reason, oom)
     status, after = judge(read, before, settings, release_caches, sleep, grew_before)
-    if status != LEAK and over_limit(after, settings):
+    if status != LEAK and over_limit(after, settings, replacement_bytes):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
         after = read()
     delta = after.live - before.live
-    return Verdict(status, before, after, delta, restart_reason(status, after, delta, tasks_run, settings))
+    reason = restart_reason(status, after, delta, tasks_run, settings, replacement_bytes)
+    return Verdict(status, before, after, delta, reason)

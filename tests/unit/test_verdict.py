@@ -461,3 +461,19 @@ def test_memory_other_processes_hold_never_recycles_this_worker():
     verdict, _, _ = run(ScriptedProbe(4 * GiB, device_used=int(0.95 * 16 * GiB)), before=4 * GiB)
     assert verdict.status == CLEAN
     assert verdict.restart_reason.startswith("memory limit: GPU 95% used")
+
+
+def test_a_restart_that_would_bring_back_its_own_context_over_the_limit_is_not_asked_for():
+    """Others hold just under the limit: this worker's 1 GiB takes the GPU over it, but
+    its replacement's CUDA context (512 MiB here) would take it over again."""
+    others = int(0.9 * 16 * GiB) - 256 * MiB
+    probe = ScriptedProbe(1 * GiB, device_used=others + 1 * GiB)
+    start = MemorySample(1 * GiB, 1 * GiB, probe.total, owned=1 * GiB)
+
+    def verdict(replacement_bytes):
+        return verdict_for(
+            probe, start, SETTINGS, 1, Flushes(), lambda s: None, replacement_bytes=replacement_bytes
+        )
+
+    assert verdict(0).restart_reason.startswith("memory limit")
+    assert verdict(512 * MiB).restart_reason is None
