@@ -10,14 +10,12 @@ fields) for the GPU with that NVML index; from the next check on, it reads as wr
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 from prefect_gpu_dask.health import HealthReadings, NvmlHealthReader
 from prefect_gpu_dask.worker.probe import NvmlProbe
-from tests.scripted_probe import HEALTH_DIR_ENV
+from tests.scripted_probe import HEALTH_DIR_ENV, make_sick, scripted_readings
 
 # The runner's memory_probe for these tests: workers import it by this path.
 NVML_WITH_FAULTS = "tests.gpu_faults:nvml_probe_with_scripted_faults"
@@ -30,7 +28,7 @@ def fault_file(directory: Path, gpu_index: int) -> Path:
 def make_gpu_sick(directory: Path, gpu_index: int, **readings: object) -> None:
     """Script the GPU with NVML index ``gpu_index`` to read as ``readings`` from its
     next check on."""
-    fault_file(directory, gpu_index).write_text(json.dumps(readings))
+    make_sick(directory, fault_file(directory, gpu_index).stem, **readings)
 
 
 class FaultOverlay:
@@ -41,17 +39,8 @@ class FaultOverlay:
         self.limits = real.limits
         self.path = fault_file(Path(os.environ.get(HEALTH_DIR_ENV, "/nonexistent")), gpu_index)
 
-    def scripted(self) -> dict[str, Any]:
-        try:
-            values = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
-        if "xid_events" in values:
-            values["xid_events"] = tuple(values["xid_events"])
-        return values
-
     def __call__(self) -> HealthReadings:
-        return dataclasses.replace(self.real(), **self.scripted())
+        return dataclasses.replace(self.real(), **scripted_readings(self.path))
 
     def quiet(self) -> bool:
         return not self.path.exists() and self.real.quiet()

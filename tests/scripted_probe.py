@@ -80,13 +80,18 @@ class ScriptedHealth:
         self.path = Path(os.environ.get(HEALTH_DIR_ENV, "/nonexistent")) / f"{worker_name}.json"
 
     def __call__(self) -> HealthReadings:
-        try:
-            values = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            values = {}
-        if "xid_events" in values:
-            values["xid_events"] = tuple(values["xid_events"])
-        return HealthReadings(FakeDeviceProbe.gpu.uuid, **values)
+        return HealthReadings(FakeDeviceProbe.gpu.uuid, **scripted_readings(self.path))
+
+
+def scripted_readings(path: Path) -> dict[str, object]:
+    """The ``HealthReadings`` fields a test wrote to ``path`` (none: healthy)."""
+    try:
+        values = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    if "xid_events" in values:
+        values["xid_events"] = tuple(values["xid_events"])
+    return values
 
 
 class ScriptedActivity:
