@@ -504,33 +504,36 @@ def test_a_cluster_passed_in_is_the_one_the_flow_uses():
         assert name in {w.name for w in cluster.workers.values()}
 
 
+def _is_heartbeat_loop(target: object) -> bool:
+    return getattr(target, "__qualname__", "").endswith("heartbeat_loop")
+
+
 def _new_heartbeat_threads(before: set[int]) -> list[int]:
-    """Idents of the heartbeat threads of Prefect's flow engine (``_send_heartbeats``'
-    ``heartbeat_loop``) started since ``before``."""
+    """The ``id()``s of the heartbeat threads of Prefect's flow engine
+    (``_send_heartbeats``' ``heartbeat_loop``) started since ``before``. Not idents: a
+    thread that ended during the run may hand its ident on to the heartbeat thread, while
+    the caller holds the threads of ``before``, so no new thread can take one's ``id()``."""
     return [
-        thread.ident
+        id(thread)
         for thread in threading.enumerate()
-        if thread.ident not in before
-        and any(getattr(arg, "__qualname__", "").endswith("heartbeat_loop") for arg in thread._args)
+        if id(thread) not in before and any(_is_heartbeat_loop(arg) for arg in getattr(thread, "_args", ()))
     ]
-
-
-def _running(ident: int) -> bool:
-    return any(thread.ident == ident for thread in threading.enumerate())
 
 
 def _heartbeat_alive_at_return(flow_fn, seen: list) -> bool:
     """Whether the heartbeat thread of a run of ``flow_fn`` (which adds what
     ``_new_heartbeat_threads`` finds to ``seen``) was still running when the call
     returned; then waits for it to stop by itself."""
-    seen[:] = [{thread.ident for thread in threading.enumerate()}]
+    before = threading.enumerate()
+    seen[:] = [{id(thread) for thread in before}]
     flow_fn()
-    (heartbeat,) = seen[1:]
-    alive = _running(heartbeat)
-    deadline = time.monotonic() + 3
-    while _running(heartbeat) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _running(heartbeat), "the heartbeat thread did not stop after its flow run"
+    (heartbeat_id,) = seen[1:]
+    heartbeat = next((t for t in threading.enumerate() if id(t) == heartbeat_id), None)
+    if heartbeat is None:
+        return False
+    alive = heartbeat.is_alive()
+    heartbeat.join(timeout=3)
+    assert not heartbeat.is_alive(), "the heartbeat thread did not stop after its flow run"
     return alive
 
 
