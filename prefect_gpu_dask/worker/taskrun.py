@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 import cloudpickle
+from distributed import get_worker
 from prefect.context import SettingsContext, SyncClientContext, hydrated_context
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.configuration import ensure_logging_setup
@@ -23,6 +24,7 @@ from prefect.task_engine import run_task_async, run_task_sync
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.payload import Shared
+from prefect_gpu_dask.worker.console import write_plainly_where_unseen
 from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
 from prefect_gpu_dask.worker.recycling import admit, announce_end
@@ -64,8 +66,21 @@ def prepare_process() -> None:
       event loop that handler waits for needs the logging lock the second holds;
     - two ``model_rebuild`` calls of the run-context models: pydantic's rebuild is not
       thread-safe, and a run context built in between is validated as its parent class.
+
+    In a worker's own process, console lines nobody sees in colour are written plainly.
     """
     ensure_logging_setup()
+    if _in_a_process_of_its_own():
+        write_plainly_where_unseen()
+
+
+def _in_a_process_of_its_own() -> bool:
+    """Whether this is a worker's own process: a worker without a nanny may share the
+    flow's process, whose logging is the user's."""
+    try:
+        return get_worker().nanny is not None
+    except ValueError:  # not on a worker
+        return False
     with hydrated_context(None):  # completes the run-context models, as the engine would
         pass
 
