@@ -72,6 +72,8 @@ def prepare_process() -> None:
     ensure_logging_setup()
     if _in_a_process_of_its_own():
         write_plainly_where_unseen()
+    with hydrated_context(None):  # completes the run-context models, as the engine would
+        pass
 
 
 def _in_a_process_of_its_own() -> bool:
@@ -81,8 +83,6 @@ def _in_a_process_of_its_own() -> bool:
         return get_worker().nanny is not None
     except ValueError:  # not on a worker
         return False
-    with hydrated_context(None):  # completes the run-context models, as the engine would
-        pass
 
 
 def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientContext]:
