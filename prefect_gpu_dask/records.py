@@ -19,6 +19,8 @@ VERDICTS = (CLEAN, CACHED, LIBRARY, LEAK, OOM)
 RECORD_TOPIC = "prefect-gpu-dask-memory"
 HUNG_TOPIC = "prefect-gpu-dask-hung"
 UNHEALTHY_TOPIC = "prefect-gpu-dask-unhealthy"
+# Flow -> every flow on the cluster: take your results off these workers (``ResultsOff``).
+RESULTS_OFF_TOPIC = "prefect-gpu-dask-results-off"
 # Worker event topics, worker -> scheduler: a task run's engine is starting on this
 # worker; and it ended, in which state (type, name, message).
 STARTED_TOPIC = "prefect-gpu-dask.task-run-started"
@@ -149,6 +151,26 @@ class HungTask:
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> HungTask:
         return cls(**{f.name: event[f.name] for f in fields(cls) if f.name in event})
+
+
+@dataclass(frozen=True)
+class ResultsOff:
+    """A restart of ``workers`` waits for results other flow runs hold only there, and a
+    hung task keeps those workers from running the work those flow runs need to end and
+    let them go. Each runner that hears it moves its own results there into its flow.
+    ``requester``: the Dask client id of the flow run whose restart waits."""
+
+    workers: tuple[str, ...]
+    requester: str
+    reason: str
+
+    def to_event(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> ResultsOff:
+        values = _known_fields(cls, event)
+        return cls(**{**values, "workers": tuple(values["workers"])})
 
 
 @dataclass(frozen=True)

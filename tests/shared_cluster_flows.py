@@ -1,5 +1,11 @@
-"""A flow run of many short ``gpu`` tasks on a shared cluster, each body noted in a
-ledger, for the shared-cluster tests: ``python -m tests.shared_cluster_flows ADDRESS LEDGER N``."""
+"""Flow runs on a shared cluster for the shared-cluster tests, each task body noted in a
+ledger:
+
+- ``python -m tests.shared_cluster_flows ADDRESS LEDGER N``: many short ``gpu`` tasks;
+- ``python -m tests.shared_cluster_flows ADDRESS LEDGER --across-a-hang STARTED``: one
+  ``gpu`` task whose result it holds, then, 3 s after another flow run's task has hung
+  (the file ``STARTED`` says when), one more; prints when it ended.
+"""
 
 from __future__ import annotations
 
@@ -31,5 +37,23 @@ def many(address: str, ledger: str, n: int) -> list[int]:
     return many_gpu_tasks()
 
 
+def across_a_hang(address: str, ledger: str, started: str) -> list[int]:
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
+    def holds_a_result_across_a_hang() -> list[int]:
+        first = noted.submit(ledger, 0)
+        first.wait()  # done: its worker holds the result for this flow run
+        while not os.path.exists(started) or not open(started).read():
+            time.sleep(0.05)
+        time.sleep(3)  # past the hung task's deadline: its worker is being recycled
+        later = noted.submit(ledger, 1)
+        return [first.result(), later.result()]
+
+    return holds_a_result_across_a_hang()
+
+
 if __name__ == "__main__":
-    assert many(sys.argv[1], sys.argv[2], int(sys.argv[3])) == list(range(int(sys.argv[3])))
+    if sys.argv[3] == "--across-a-hang":
+        assert across_a_hang(sys.argv[1], sys.argv[2], sys.argv[4]) == [0, 1]
+        print(f"ended at {time.time()}", flush=True)
+    else:
+        assert many(sys.argv[1], sys.argv[2], int(sys.argv[3])) == list(range(int(sys.argv[3])))

@@ -13,10 +13,12 @@ the tasks queued on it go back to the scheduler and it restarts. Results it hold
 a pending task still needs are waited for (if only this worker can run that task, it
 briefly takes tasks again); so are results another flow run's client holds, and where
 no other worker can take them or that flow run's work, the worker keeps serving until
-that flow run has them. Before the restart, the Prefect states held there move
-into the flow (their futures get their final state), so downstream tasks receive the
-state itself instead of a Dask key that would vanish and be recomputed. The
-replacement's guard holds tasks off until the old process's GPU memory is gone.
+that flow run has them; where a hung task keeps it from serving that work, every flow
+run is asked to take its results there into its flow (``ResultsOff``). Before the
+restart, the Prefect states held there move into the flow (their futures get their
+final state), so downstream tasks receive the state itself instead of a Dask key that
+would vanish and be recomputed. The replacement's guard holds tasks off until the old
+process's GPU memory is gone.
 
 ``restart="cluster"``: no new task enters the cluster (``submissions()`` is held) until
 every worker is idle; then ``Scheduler.restart``, as ``client.restart()`` does.
@@ -45,9 +47,11 @@ from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     LOST,
     REPLACED,
+    RESULTS_OFF_TOPIC,
     GPUQuarantine,
     HungTask,
     RestartRecord,
+    ResultsOff,
     TaskRecord,
     format_bytes,
 )
@@ -80,6 +84,7 @@ STUCK_RESTART_S = 8.0
 # How long a worker that left before its restart may take to come back under its name
 # (another flow run's restart of a hung worker takes about STUCK_RESTART_S).
 REPLACEMENT_WAIT_S = STUCK_RESTART_S + 4.0
+RESULTS_OFF_EVERY_S = 1.0  # how often other flow runs are asked again to take their results off
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,9 @@ class Recycler:
     One background thread carries requests out in order. ``track`` registers the
     flow's futures so their results can move out of a worker before it restarts.
     ``start`` installs the scheduler's lost-worker plugin and subscribes to hung tasks:
-    each is marked ``TimedOut`` and its worker recycled. Workers whose GPU is
-    quarantined are left alone (``quarantined``).
+    each is marked ``TimedOut`` and its worker recycled; and to other flow runs' requests
+    to take this flow run's results off a worker they restart (``take_results_off``).
+    Workers whose GPU is quarantined are left alone (``quarantined``).
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class Recycler:
                 exc,
             )
         self.client.subscribe_topic(HUNG_TOPIC, self._on_hung)
+        self.client.subscribe_topic(RESULTS_OFF_TOPIC, self._on_results_off)
 
     @property
     def restarts(self) -> tuple[RestartRecord, ...]:
@@ -213,7 +220,7 @@ class Recycler:
             self._thread.join(timeout=self.timeout if wait else 5)
         self._closing.set()  # a restart still waiting for its safe point stops here
         self.settle_timed_out(list(self._timed_out))
-        unsubscribe(self.client, HUNG_TOPIC)
+        unsubscribe(self.client, HUNG_TOPIC, RESULTS_OFF_TOPIC)
 
     # -- hung tasks ---------------------------------------------------------------
     def _on_hung(self, event: tuple[float, dict[str, Any]]) -> None:
@@ -298,6 +305,38 @@ class Recycler:
             if state is not None and (future := self._futures.get(key)) is not None and not is_moved(future):
                 move_into_flow(future, state)
 
+    # -- another flow run's restart --------------------------------------------------
+    def _on_results_off(self, event: tuple[float, dict[str, Any]]) -> None:
+        ask = ResultsOff.from_event(event[1])
+        if ask.requester == self.client.id:
+            return
+        # Off Dask's event loop: moving results gathers them.
+        run = self._context.copy().run
+        moving = threading.Thread(target=run, args=(self.take_results_off, ask), name="gpu-results-off")
+        moving.daemon = True
+        moving.start()
+
+    def take_results_off(self, ask: ResultsOff) -> int:
+        """Move this flow run's results held on ``ask.workers`` into the flow, so another
+        flow run's restart of them loses nothing of this one; the number moved."""
+        try:
+            with self._lock:  # no submission comes to depend on them meanwhile
+                on_them = set(self.client.run_on_scheduler(keys_on, list(ask.workers)))
+                mine = [key for key in list(self._futures.keys()) if key in on_them]
+                moved = self._move_results(mine)
+        except Exception:
+            if self.client.status == "running":
+                self.logger.exception("Could not take this flow run's results off %s", ", ".join(ask.workers))
+            return 0
+        if moved:
+            self.logger.info(
+                "Took %d result(s) of this flow run off %s into the flow: another flow run restarts it (%s)",
+                moved,
+                ", ".join(ask.workers),
+                ask.reason,
+            )
+        return moved
+
     # -- the background thread ----------------------------------------------------
     def _run(self) -> None:
         while (request := self._requests.get()) is not None:
@@ -320,6 +359,7 @@ class Recycler:
         requested, requested_wall = time.perf_counter(), time.time()
         self._safe_at: float | None = None
         self._serving_logged = False
+        self._results_off_asked_at = float("-inf")
         if request.worker not in self._workers():
             self._gone(request, requested, requested_wall)
             return
@@ -446,7 +486,9 @@ class Recycler:
                 if not answer.get("serve_meanwhile"):
                     return answer
                 held_for_others = True
-        if held_for_others and not self._serving_logged:
+        if held_for_others and stuck:
+            self._ask_for_results_off(targets, stuck)
+        elif held_for_others and not self._serving_logged:
             self._serving_logged = True
             self.logger.info(
                 "%s holds results another flow run has not taken yet, and no other worker can "
@@ -457,6 +499,24 @@ class Recycler:
             self.client.run(resume, workers=targets, on_error="return")
             time.sleep(RESUMED_S)
         return {"status": "busy"}
+
+    def _ask_for_results_off(self, targets: list[str], stuck: tuple[str, ...]) -> None:
+        """Serving cannot end the wait: a hung task holds its thread, and maybe the GPU
+        slot the other flow runs' work needs, until the restart. So every flow run is asked
+        to take its results there into its flow; again while some stay (new ones land)."""
+        now = time.monotonic()
+        if now - self._results_off_asked_at < RESULTS_OFF_EVERY_S:
+            return
+        first = self._results_off_asked_at == float("-inf")
+        self._results_off_asked_at = now
+        ask = ResultsOff(tuple(targets), self.client.id, f"{len(stuck)} hung task(s) there")
+        self.client.log_event(RESULTS_OFF_TOPIC, ask.to_event())
+        if first:
+            self.logger.info(
+                "%s holds results other flow runs have not taken yet, and a hung task there keeps it "
+                "from serving their work: they are asked to take them into their flows",
+                ", ".join(targets),
+            )
 
     def _try_cluster(self, targets: list[str]) -> dict[str, Any]:
         with self._lock:  # nothing new enters the cluster until it is idle and restarted
@@ -493,12 +553,16 @@ class Recycler:
             key for key, f in list(self._futures.items()) if not is_moved(f) and not f.wrapped_future.done()
         ]
 
-    def _move_results(self, keys: Iterable[str]) -> None:
-        """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget them."""
+    def _move_results(self, keys: Iterable[str]) -> int:
+        """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget
+        them; the number moved."""
         futures = {key: f for key in keys if (f := self._futures.get(key)) is not None and not is_moved(f)}
+        if not futures:
+            return 0
         states = self.client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
         for key, state in states.items():
             move_into_flow(futures[key], state)
+        return len(states)
 
     def _record(
         self,

@@ -86,6 +86,71 @@ def test_a_recycle_another_flow_run_orders_runs_nothing_of_this_one_twice(dask_p
     assert restarts and all(r.outcome == "replaced" for r in restarts), restarts
 
 
+@task(tags=["gpu"], timeout_seconds=2)
+def hangs_on_the_gpu(started: str) -> str:
+    Path(started).write_text(str(time.time()))
+    time.sleep(40)  # outside Python bytecode: only the end of its process frees the thread
+    return "finished"
+
+
+@task(tags=["gpu"])
+def worker_pid() -> int:
+    return os.getpid()
+
+
+def test_a_hung_task_on_the_only_worker_holds_another_flow_run_only_until_the_restart(
+    dask_processes, tmp_path
+):
+    """A hung task keeps the only GPU worker's one slot until its process ends, and the
+    restart waits for a result another flow run holds there: that flow run takes it into
+    its flow when asked, the restart goes on, and its next task runs on the replacement,
+    long before the hung task would have returned. Nothing runs twice."""
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("gpu", "--nthreads", "2", "--resources", "GPU=1")
+    dask_processes.wait_for_workers(1)
+    ledger, started = tmp_path / "ledger", tmp_path / "hang-started"
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    other = subprocess.Popen(
+        [sys.executable, "-m", "tests.shared_cluster_flows", dask_processes.address, str(ledger)]
+        + ["--across-a-hang", str(started)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not ledger.exists() or not ledger.read_text():  # its first task ran: it holds the result
+        assert other.poll() is None and time.monotonic() < deadline, other.communicate()[0]
+        time.sleep(0.05)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE))
+    def hangs() -> tuple:
+        stuck = hangs_on_the_gpu.submit(str(started))
+        stuck.wait(timeout=60)
+        after = worker_pid.submit().result()  # on the replacement
+        return stuck.state, after, FlowRunContext.get().task_runner.restarts
+
+    state, after_pid, restarts = hangs()
+    out = other.communicate(timeout=120)[0]
+    assert other.returncode == 0, out
+    hung_at = float(started.read_text())
+    ended_at = float(out.split("ended at ")[-1].split()[0])
+    assert state.name == "TimedOut", state
+    assert "Took 1 result(s) of this flow run off" in out, out
+    print(f"the other flow run ended {ended_at - hung_at:.1f} s after the hang (the hung task sleeps 40 s)")
+    assert ended_at - hung_at < 30, f"the other flow run ended {ended_at - hung_at:.1f} s after the hang"
+    runs = [line.split() for line in ledger.read_text().splitlines()]
+    assert sorted(i for _, i, _ in runs) == ["0", "1"], runs  # each once
+    [(_, _, first_pid), (_, _, later_pid)] = sorted(runs, key=lambda run: run[1])
+    assert later_pid != first_pid and str(after_pid) == later_pid, (runs, after_pid)
+    assert [r.outcome for r in restarts] == ["replaced"], restarts
+
+
 def test_flow_runs_leave_no_event_subscriptions_on_a_long_lived_scheduler(dask_processes):
     """A scheduler keeps a client's event subscriptions after the client has gone: each
     flow run's runner takes its own off (its records, its hung tasks, its sick GPUs)."""
