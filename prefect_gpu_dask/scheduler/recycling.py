@@ -33,6 +33,10 @@ DONE_STATES = {"memory", "erred", "forgotten", "released"}
 # How long after a SpecCluster's lost-worker timer of a removed worker the plugin looks
 # whether that timer closed the nanny restarting it.
 REOPEN_GRACE_S = 1.0
+# How long a worker the cluster starts again from a new nanny has to register: a fresh
+# process, where a restart's replacement comes from a nanny already running. A hung
+# worker's restart gives its nanny a short timeout, too short for that on a busy host.
+REOPENED_REGISTER_S = 60.0
 
 logger = logging.getLogger(__name__)
 STASHED_TIMEOUT = "_prefect_gpu_dask_no_workers_timeout"
@@ -236,10 +240,13 @@ async def replacements(
             outcome[address] = lost(f"its nanny did not restart it ({answer})")
     cluster = _compat.spec_cluster_of(dask_scheduler)
     reopened: set[str] = set()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while waiting:
         for address, ws in list(waiting.items()):
             if cluster is not None and _closed_by_cluster(cluster, ws.name):
+                if address not in reopened:
+                    deadline = max(deadline, time.monotonic() + REOPENED_REGISTER_S)
                 reopened.add(address)
                 cluster.scale(len(cluster.worker_spec))  # starts every listed worker that is missing
                 continue
@@ -253,7 +260,8 @@ async def replacements(
         await asyncio.sleep(0.05)
     for address, ws in waiting.items():
         closed = " (its cluster had closed its nanny)" if address in reopened else ""
-        outcome[address] = lost(f"no worker named {ws.name!r} registered within {timeout:g} s{closed}")
+        waited = time.monotonic() - started
+        outcome[address] = lost(f"no worker named {ws.name!r} registered within {waited:.0f} s{closed}")
     return outcome
 
 
