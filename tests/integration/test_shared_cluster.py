@@ -140,9 +140,9 @@ def test_a_hung_task_on_the_only_worker_holds_another_flow_run_only_until_the_re
     assert other.returncode == 0, out
     hung_at = float(started.read_text())
     ended_at = float(out.split("ended at ")[-1].split()[0])
+    print(f"the other flow run ended {ended_at - hung_at:.1f} s after the hang (the hung task sleeps 40 s)")
     assert state.name == "TimedOut", state
     assert "Took 1 result(s) of this flow run off" in out, out
-    print(f"the other flow run ended {ended_at - hung_at:.1f} s after the hang (the hung task sleeps 40 s)")
     assert ended_at - hung_at < 30, f"the other flow run ended {ended_at - hung_at:.1f} s after the hang"
     runs = [line.split() for line in ledger.read_text().splitlines()]
     assert sorted(i for _, i, _ in runs) == ["0", "1"], runs  # each once
