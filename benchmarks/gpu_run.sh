@@ -58,6 +58,8 @@ if [[ $PHASES == *probes* ]]; then
   timeout 120 python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json" 2>&1 | tee "$OUT/probe-first-use.txt"
   timeout 120 python3 benchmarks/probes/flow_end.py 2>/dev/null | tee "$OUT/probe-flow-end.txt"
   timeout 240 python3 benchmarks/probes/tagged_path.py 1000 30 2>/dev/null | grep -v "| INFO" | tee "$OUT/probe-tagged-path.txt"
+  timeout 240 python3 benchmarks/probes/console_lines.py --tasks 1000 --task-rounds 3 \
+    --out "$OUT/console-lines.json" 2>/dev/null | tee "$OUT/probe-console-lines.txt"
 fi
 if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator's commands
   for flows in 2 4; do
