@@ -131,6 +131,7 @@ class Recycler:
         self._left_alone: dict[str, str] = {}  # worker -> why it is never restarted
         self._timed_out: dict[str, Any] = {}  # hung key -> its TimedOut state, until the flow has it
         self._closing = threading.Event()
+        self._taking_off = threading.Lock()  # held while this flow run's results move off a worker
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
         # the background thread must run in; requests come from Dask's event loop.
@@ -318,16 +319,23 @@ class Recycler:
 
     def take_results_off(self, ask: ResultsOff) -> int:
         """Move this flow run's results held on ``ask.workers`` into the flow, so another
-        flow run's restart of them loses nothing of this one; the number moved."""
+        flow run's restart of them loses nothing of this one; the number moved. One move
+        at a time: the requester asks again while results stay."""
+        if self._closing.is_set() or not self._taking_off.acquire(blocking=False):
+            return 0
         try:
-            with self._lock:  # no submission comes to depend on them meanwhile
-                on_them = set(self.client.run_on_scheduler(keys_on, list(ask.workers)))
-                mine = [key for key in list(self._futures.keys()) if key in on_them]
-                moved = self._move_results(mine)
+            on_them = set(self.client.run_on_scheduler(keys_on, list(ask.workers)))
+            mine = [key for key in list(self._futures.keys()) if key in on_them]
+            # Gathered outside the submissions lock: this flow run keeps submitting meanwhile.
+            states = self._gather_states(mine)
+            with self._lock:
+                moved = self._move_gathered(states)
         except Exception:
-            if self.client.status == "running":
+            if self.client.status == "running" and not self._closing.is_set():
                 self.logger.exception("Could not take this flow run's results off %s", ", ".join(ask.workers))
             return 0
+        finally:
+            self._taking_off.release()
         if moved:
             self.logger.info(
                 "Took %d result(s) of this flow run off %s into the flow: another flow run restarts it (%s)",
@@ -556,13 +564,24 @@ class Recycler:
     def _move_results(self, keys: Iterable[str]) -> int:
         """Pull the Prefect states held under ``keys`` into the flow, then let Dask forget
         them; the number moved."""
+        return self._move_gathered(self._gather_states(keys))
+
+    def _gather_states(self, keys: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+        """The Prefect states held under ``keys`` (of finished futures), with their futures."""
         futures = {key: f for key in keys if (f := self._futures.get(key)) is not None and not is_moved(f)}
         if not futures:
-            return 0
+            return {}
         states = self.client.gather({k: f.wrapped_future for k, f in futures.items()}, errors="skip")
-        for key, state in states.items():
-            move_into_flow(futures[key], state)
-        return len(states)
+        return {key: (futures[key], state) for key, state in states.items()}
+
+    @staticmethod
+    def _move_gathered(states: dict[str, tuple[Any, Any]]) -> int:
+        moved = 0
+        for future, state in states.values():
+            if not is_moved(future):
+                move_into_flow(future, state)
+                moved += 1
+        return moved
 
     def _record(
         self,

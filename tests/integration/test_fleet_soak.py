@@ -9,7 +9,7 @@ process's threads and open files do not grow after the warm-up.
 
 from __future__ import annotations
 
-from benchmarks.fleet_soak import FAULTS, fleet, parse_args, soak
+from benchmarks.fleet_soak import COUNT_SLACK, FAULTS, fleet, parse_args, soak
 
 ARGS = [
     "--runs", "12",
@@ -48,8 +48,9 @@ def test_a_short_fleet_soak_passes_every_check(tmp_path):
     # after run 24 against the one after run 32, no flow run in flight at either.
     figures = summary["growth"]["figures"]
     assert (summary["growth"]["first"], summary["growth"]["last"]) == (24, 32)
-    for name in ("threads", "threads_active", "fds"):
-        assert figures[name]["last"] <= figures[name]["first"] * 1.10, (name, figures[name])
+    for name in ("threads", "threads_active", "fds"):  # growth, as the soak itself judges it
+        first, last = figures[name]["first"], figures[name]["last"]
+        assert last <= first * 1.10 or last - first <= COUNT_SLACK[name], (name, figures[name])
     assert figures["scheduler_runner_clients"]["last"] == 0
     assert figures["scheduler_subscribers_ours"]["last"] == 0
 

@@ -123,10 +123,6 @@ def test_a_hung_task_on_the_only_worker_holds_another_flow_run_only_until_the_re
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while not ledger.exists() or not ledger.read_text():  # its first task ran: it holds the result
-        assert other.poll() is None and time.monotonic() < deadline, other.communicate()[0]
-        time.sleep(0.05)
 
     @flow(task_runner=GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE))
     def hangs() -> tuple:
@@ -135,8 +131,15 @@ def test_a_hung_task_on_the_only_worker_holds_another_flow_run_only_until_the_re
         after = worker_pid.submit().result()  # on the replacement
         return stuck.state, after, FlowRunContext.get().task_runner.restarts
 
-    state, after_pid, restarts = hangs()
-    out = other.communicate(timeout=120)[0]
+    try:
+        deadline = time.monotonic() + 120
+        while not ledger.exists() or not ledger.read_text():  # its first task ran: it holds the result
+            assert other.poll() is None and time.monotonic() < deadline, other.communicate()[0]
+            time.sleep(0.05)
+        state, after_pid, restarts = hangs()
+        out = other.communicate(timeout=120)[0]
+    finally:
+        other.kill()
     assert other.returncode == 0, out
     hung_at = float(started.read_text())
     ended_at = float(out.split("ended at ")[-1].split()[0])

@@ -7,12 +7,21 @@ import io
 import logging
 import os
 
+import pytest
 from prefect.logging.formatters import PrefectFormatter
 from prefect.logging.handlers import PrefectConsoleHandler
 
 from prefect_gpu_dask.worker.console import PlainConsoleHandler, is_terminal, write_plainly_where_unseen
 
 TASK_RUN_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | Task run %(task_run_name)r - %(message)s"
+
+
+@pytest.fixture(autouse=True)
+def no_handlers_left_behind():
+    """This process's other tests look at its console handlers."""
+    yield
+    for name in ("test-console.prefect", "test-console.plain", "test-console.terminal"):
+        logging.getLogger(name).handlers.clear()
 
 
 def prefect_console(stream, name: str) -> logging.Logger:
@@ -55,6 +64,15 @@ def test_a_console_no_terminal_shows_gets_the_same_lines_plainly():
     strip_times = lambda text: [line[12:] if line[:2].isdigit() else line for line in text.splitlines()]  # noqa: E731
     assert strip_times(written) == strip_times(as_prefect.getvalue())
     assert write_plainly_where_unseen([logger]) == 0  # done once
+
+
+def test_markup_keeps_prefects_handler():
+    from prefect.settings import PREFECT_LOGGING_MARKUP, temporary_settings
+
+    with temporary_settings({PREFECT_LOGGING_MARKUP: True}):
+        logger = prefect_console(io.StringIO(), "test-console.plain")
+        assert write_plainly_where_unseen([logger]) == 0
+    assert isinstance(logger.handlers[0], PrefectConsoleHandler)
 
 
 def test_a_terminal_keeps_prefects_handler():
