@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import device_name, p95, use_readme_default, versions  # noqa: E402
+from benchmarks.common import device_name, one_gpu_slot_runner, p95, use_readme_default, versions  # noqa: E402
 
 use_readme_default("console-lines")
 
@@ -40,8 +40,11 @@ from prefect.context import FlowRunContext  # noqa: E402
 from prefect.logging.formatters import PrefectFormatter  # noqa: E402
 from prefect.logging.handlers import PrefectConsoleHandler  # noqa: E402
 
-from prefect_gpu_dask import GPUDaskTaskRunner, gpu_available  # noqa: E402
-from prefect_gpu_dask.worker.console import PlainConsoleHandler, all_loggers, plain_handler  # noqa: E402
+from prefect_gpu_dask.worker.console import (  # noqa: E402
+    PlainConsoleHandler,
+    all_loggers,
+    write_plainly_where_unseen,
+)
 
 TASK_RUN_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | Task run %(task_run_name)r - %(message)s"
 LINE = "GPU memory on GPU-0 (#0): before 1.2 GiB, after 1.2 GiB, peak 1.3 GiB, delta 0 B -> clean"
@@ -89,33 +92,12 @@ def console_back_to_prefects() -> int:
     return swapped
 
 
-def console_plain_again() -> int:
-    swapped = 0
-    for logger in all_loggers():
-        for handler in list(logger.handlers):
-            if isinstance(handler, PrefectConsoleHandler):
-                logger.removeHandler(handler)
-                logger.addHandler(plain_handler(handler))
-                swapped += 1
-    return swapped
-
-
 @task
 def noop(i: int) -> int:
     return i
 
 
-def runner() -> GPUDaskTaskRunner:
-    if gpu_available():
-        return GPUDaskTaskRunner(host_cluster=False)
-    return GPUDaskTaskRunner(
-        host_cluster=False,
-        memory_probe="benchmarks.recycle_soak:scripted_gpu_probe",
-        cluster_kwargs={"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
-    )
-
-
-@flow(task_runner=runner())
+@flow(task_runner=one_gpu_slot_runner())
 def task_runs(tasks: int, rounds: int) -> dict[str, Any]:
     client = FlowRunContext.get().task_runner.client
     jobs = {"untagged": noop, "gpu": noop.with_options(tags=["gpu"])}
@@ -125,7 +107,7 @@ def task_runs(tasks: int, rounds: int) -> dict[str, Any]:
     swaps: dict[str, list[int]] = {"plain": [], "prefect console handler": []}
     for _ in range(rounds):
         for console, swap in (
-            ("plain", console_plain_again),
+            ("plain", write_plainly_where_unseen),
             ("prefect console handler", console_back_to_prefects),
         ):
             swaps[console].append(sum(client.run(swap).values()))

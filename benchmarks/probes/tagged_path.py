@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import p95, use_readme_default  # noqa: E402
+from benchmarks.common import one_gpu_slot_runner, p95, use_readme_default  # noqa: E402
 
 use_readme_default("tagged-path")
 
@@ -28,8 +28,6 @@ from typing import Any  # noqa: E402
 
 from prefect import flow, task  # noqa: E402
 from prefect.context import FlowRunContext  # noqa: E402
-
-from prefect_gpu_dask import GPUDaskTaskRunner, gpu_available  # noqa: E402
 
 TASKS = int(sys.argv[1]) if len(sys.argv) > 1 else 500
 TOP = int(sys.argv[2]) if len(sys.argv) > 2 else 25
@@ -63,17 +61,7 @@ def profile_lines(tree: dict[str, Any], top: int) -> list[str]:
     ]
 
 
-def runner() -> GPUDaskTaskRunner:
-    if gpu_available():
-        return GPUDaskTaskRunner(host_cluster=False)
-    return GPUDaskTaskRunner(
-        host_cluster=False,
-        memory_probe="benchmarks.recycle_soak:scripted_gpu_probe",
-        cluster_kwargs={"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
-    )
-
-
-@flow(task_runner=runner())
+@flow(task_runner=one_gpu_slot_runner())
 def batches() -> dict[str, Any]:
     client = FlowRunContext.get().task_runner.client
     out: dict[str, Any] = {}
