@@ -83,7 +83,11 @@ class DaskProcesses:
         self.address = ""
 
     def _spawn(self, *args: str, log: str) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "PYTHONFAULTHANDLER": "1",  # a process that crashes says where, in its log
+        }
         proc = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]],
             stdout=open(self.tmp / log, "w"),
@@ -142,6 +146,12 @@ class DaskProcesses:
         with Client(self.address, timeout=timeout) as client:
             client.wait_for_workers(n, timeout=timeout)
 
+    def print_log_tails(self, lines: int = 30) -> None:
+        """The end of each process's log: pytest shows it where the test failed."""
+        for log in sorted(self.tmp.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"--- {log.name} (last {len(tail)} lines)", *tail, sep="\n")
+
     def close(self) -> None:
         """Kill every process group: a graceful close of a worker whose scheduler is
         going too spends seconds giving up on it, and nothing here is kept."""
@@ -191,6 +201,7 @@ def dask_processes(tmp_path) -> Iterator[DaskProcesses]:
     procs = DaskProcesses(tmp_path)
     yield procs
     procs.close()
+    procs.print_log_tails()
 
 
 def task_run_logs(task_run_id, containing: str = "", timeout: float = 20) -> list[str]:

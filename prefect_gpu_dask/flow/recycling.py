@@ -448,8 +448,10 @@ class Recycler:
     def _gone(self, request: _Request, requested: float, requested_wall: float) -> None:
         """The worker left before this restart. Where a worker of its name serves now, it
         was replaced meanwhile (another flow run's restart, its nanny after a death): the
-        process that held the memory is gone, which the record says. Not counted on the
-        scheduler: whoever restarted it counted that restart."""
+        process that held the memory is gone, which the record says. Where none comes
+        (a worker without a nanny died, the cluster scaled it away), it is lost as a
+        restart that cannot bring it back is: what waited for it may have nowhere left
+        to run. Not counted on the scheduler: nothing here restarted it."""
         name = request.worker_name
         replacement, until = None, time.monotonic() + REPLACEMENT_WAIT_S
         while name and replacement is None and time.monotonic() < until and not self._closing.is_set():
@@ -457,19 +459,28 @@ class Recycler:
             replacement = next((a for a in serving if a != request.worker), None)
             if replacement is None:
                 time.sleep(RESUMED_S)
-        if replacement is None:
-            self.logger.warning("%s left the cluster before it could be recycled", request.worker)
-            return
-        outcome = {"outcome": REPLACED, "address": replacement}
+        if self._closing.is_set():
+            return  # close() said what it skipped
         restart_s = time.perf_counter() - requested
-        record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s=None)
-        self._restarts.append(record)
-        self.logger.warning(
-            "%s (%s) was replaced before it could be recycled, by another restart or its nanny -> %s",
-            request.worker,
-            request.reason,
-            replacement,
-        )
+        if replacement is None:
+            named = f"no worker named {name!r}" if name else "no worker of its name"
+            why = (
+                f"it left the cluster before it could be recycled, and {named} joined "
+                f"within {REPLACEMENT_WAIT_S:g} s"
+            )
+            record = self._record(request, lost(why), restart_s, requested, requested_wall, safe_point_s=None)
+            self._restarts.append(record)
+            self.logger.error("%s (%s) -> lost: %s", request.worker, request.reason, why)
+        else:
+            outcome = {"outcome": REPLACED, "address": replacement}
+            record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s=None)
+            self._restarts.append(record)
+            self.logger.warning(
+                "%s (%s) was replaced before it could be recycled, by another restart or its nanny -> %s",
+                request.worker,
+                request.reason,
+                replacement,
+            )
         self.on_restart(record)
 
     def _try_workers(self, targets: list[str]) -> dict[str, Any]:

@@ -400,7 +400,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _on_restart(self, restart: RestartRecord) -> None:
         reporting.emit_restart_event(restart)
         if restart.lost:  # what waited for that worker may have nowhere left to run
-            self._resource_wait.strand(self._recycler.unfinished_keys(), self._wait_s())
+            # Submissions routed from here on see the worker gone and wait as a missing GPU
+            # does; those routed before are tracked by the time the hold is taken.
+            self._offers.refresh()
+            with self._recycler.submissions():
+                unfinished = self._recycler.unfinished_keys()
+            self._resource_wait.strand(unfinished, self._wait_s())
 
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> GPUDaskTaskRunner:

@@ -22,6 +22,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import RestartRecord, compute_on_gpus
 from prefect_gpu_dask._compat import future_final_state
+from prefect_gpu_dask.flow import recycling
 from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, move_into_flow
 from prefect_gpu_dask.worker.recycling import drain
 
@@ -216,14 +217,36 @@ def test_a_worker_replaced_before_its_restart_is_recorded_as_replaced():
         assert record.new_pid == client.run(os.getpid)[new]
 
 
-def test_a_worker_gone_for_good_before_its_restart_leaves_no_record():
+def test_a_worker_gone_for_good_before_its_restart_is_lost(monkeypatch):
+    """What waited for it may have nowhere left to run: the runner strands it on a lost record."""
+    monkeypatch.setattr(recycling, "REPLACEMENT_WAIT_S", 1.0)
     with cluster(n_workers=2, threads_per_worker=1) as lc, Client(lc) as client:
         workers = client.scheduler_info()["workers"]
         old = next(iter(workers))
         client.retire_workers([old], close_workers=True)
         lc.scale(1)  # the cluster does not start it again
+        heard: list[RestartRecord] = []
+        rc = Recycler(client, "worker", logger=logging.getLogger("test-restarts"), on_restart=heard.append)
+        name = str(workers[old]["name"])
+        rc.request(old, "leak: test", worker_name=name)
+        deadline = time.monotonic() + 20
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rc.close(wait=True)
+        [record] = heard
+        assert rc.restarts == (record,)
+        assert (record.outcome, record.worker, record.new_worker) == ("lost", old, None)
+        assert f"no worker named {name!r} joined within 1 s" in record.lost_reason
+
+
+def test_a_recycler_closing_while_its_worker_is_gone_leaves_no_record():
+    with cluster(n_workers=2, threads_per_worker=1) as lc, Client(lc) as client:
+        workers = client.scheduler_info()["workers"]
+        old = next(iter(workers))
+        client.retire_workers([old], close_workers=True)
+        lc.scale(1)
         rc = recycler(client)
         rc.request(old, "leak: test", worker_name=str(workers[old]["name"]))
-        time.sleep(1.0)
-        rc.close(wait=True)
+        time.sleep(1.0)  # well within its wait for a replacement
+        rc.close(wait=False)
         assert rc.restarts == ()
