@@ -21,6 +21,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The scripted GPU has one UUID in every worker: each test process keeps its own GPU
 # turns, so two test processes never wait for each other's "GPU".
 os.environ.setdefault("PREFECT_GPU_DASK_RUNTIME_DIR", tempfile.mkdtemp(prefix="gpu-turns-"))
+# A worker or server process that crashes writes its Python stack to its stderr.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def has_gpu() -> bool:
@@ -86,7 +88,6 @@ class DaskProcesses:
         env = {
             **os.environ,
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "PYTHONFAULTHANDLER": "1",  # a process that crashes says where, in its log
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]],
