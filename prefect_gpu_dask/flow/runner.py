@@ -398,14 +398,17 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._live.quarantined(quarantine)
 
     def _on_restart(self, restart: RestartRecord) -> None:
-        reporting.emit_restart_event(restart)
         if restart.lost:  # what waited for that worker may have nowhere left to run
             # Submissions routed from here on see the worker gone and wait as a missing GPU
             # does; those routed before are tracked by the time the hold is taken.
-            self._offers.refresh()
+            try:
+                self._offers.refresh()
+            except Exception as exc:  # the cluster closing, say: the stale answer expires soon
+                self.logger.debug("Could not refresh the workers' offers: %r", exc)
             with self._recycler.submissions():
                 unfinished = self._recycler.unfinished_keys()
             self._resource_wait.strand(unfinished, self._wait_s())
+        reporting.emit_restart_event(restart)
 
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> GPUDaskTaskRunner:
