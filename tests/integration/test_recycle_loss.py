@@ -138,3 +138,48 @@ def test_a_worker_that_cannot_come_back_is_lost_and_the_flow_run_ends(dask_proce
     [restart] = report.restarts
     assert restart.outcome == LOST and restart.new_worker is None
     assert "no nanny" in restart.lost_reason
+
+
+@task(tags=["gpu"])
+def die_later(after_s: float) -> None:
+    time.sleep(after_s)  # the leak's recycle waits for this task meanwhile
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_dies_before_its_recycle_and_never_comes_back_ends_the_flow_run(
+    dask_processes, monkeypatch
+):
+    # No nanny: the worker's death is its end. The recycle finds it gone, waits for a
+    # worker of its name, records it lost; what waited for it fails after gpu_wait_s.
+    from prefect_gpu_dask.flow import recycling
+
+    monkeypatch.setattr(recycling, "REPLACEMENT_WAIT_S", 2.0)
+    dask_processes.start_scheduler()
+    dask_processes.start_worker("only-gpu", "--nthreads", "2", "--resources", "GPU=2", "--no-nanny")
+    dask_processes.wait_for_workers(1)
+    runner = GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, gpu_wait_s=2)
+
+    @flow(task_runner=runner)
+    def left_by_a_dead_worker() -> list[str]:
+        # The leaked result was only on the worker: it goes with it, as the others' turns do.
+        futures = [die_later.submit(6.0), keep.submit(512 * MiB), *(short.submit(i) for i in range(3))]
+        outcomes = []
+        for future in futures:
+            try:
+                future.result()
+                outcomes.append("ran")
+            except MissingResourceError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    started = time.monotonic()
+    state = left_by_a_dead_worker(return_state=True)
+    took = time.monotonic() - started
+    outcomes = state.result()
+    assert all("No Dask worker is left" in o for o in outcomes), outcomes
+    assert took < 90, took
+    report = read_flow_run_gpu_report(state.state_details.flow_run_id)
+    [restart] = report.restarts
+    assert restart.outcome == LOST and restart.new_worker is None
+    assert "left the cluster before it could be recycled" in restart.lost_reason
