@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock
+from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock, settle
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     LOST,
@@ -250,6 +250,39 @@ class Recycler:
             emit_stalled_event(hung)
         except Exception:
             self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
+
+    def crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], wait_s: float) -> None:
+        """Task runs a dead worker was running, with no worker left to refuse them as the
+        next one would (``worker.recycling.admit``): ``Crashed`` in the API and in the
+        flow, never run a second time. ``interrupted``: per key, the dead worker and
+        whether it said it had started the run; one only queued there that the API does
+        not show running never started, and is left to fail as a missing worker does."""
+        self._context.copy().run(self._crash_interrupted, interrupted, wait_s)
+
+    def _crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], wait_s: float) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        futures = {k: f for k in interrupted if (f := self._futures.get(k)) is not None and not is_moved(f)}
+        if not futures:
+            return
+        with get_client(sync_client=True) as api:
+            for key, future in futures.items():
+                dead, started_there = interrupted[key]
+                try:
+                    run = api.read_task_run(uuid.UUID(str(future.task_run_id)))
+                    if not (started_there or (run.state is not None and run.state.is_running())):
+                        continue
+                    message = (
+                        f"Dask worker {dead} died while running this task run, and no worker joined "
+                        f"within {wait_s:g} s; it was not run a second time (that could repeat its "
+                        "side effects). Submit it again to re-run it."
+                    )
+                    state = api.set_task_run_state(run.id, Crashed(message=message), force=True).state
+                    settle(future, state or Crashed(message=message))
+                    self.logger.error("Task run %r crashed: %s", run.name, message)
+                except Exception:
+                    self.logger.exception("Could not mark task run %s Crashed", future.task_run_id)
 
     def time_out(self, hung: HungTask) -> None:
         """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prefect_gpu_dask.flow.routing import WorkerOffers
@@ -31,12 +31,23 @@ class ResourceWait:
     and a flow's unfinished tasks after a worker was lost (``strand``), which may wait
     for any worker at all. At the deadline those still waiting get ``on_missing``:
     ``"cpu"`` runs them without their resources where a worker is left; otherwise they
-    fail with ``MissingResourceError``. One daemon thread, started with the first
-    waiting task, sleeps until the next deadline; the flow's submit never blocks on it.
+    fail with ``MissingResourceError``; a task run that a dead worker was running goes
+    to ``on_interrupted`` first (its worker's address and whether it said it had
+    started it, per key), which gives it its final state. One daemon thread, started
+    with the first waiting task, sleeps until the next deadline; the flow's submit never
+    blocks on it.
     """
 
-    def __init__(self, client: Any, offers: WorkerOffers, logger: Any, on_missing: str):
+    def __init__(
+        self,
+        client: Any,
+        offers: WorkerOffers,
+        logger: Any,
+        on_missing: str,
+        on_interrupted: Callable[[Mapping[str, tuple[str, bool]], float], object] = lambda runs, wait_s: None,
+    ):
         self._client = client
+        self._on_interrupted = on_interrupted
         self._offers = offers
         self._logger = logger
         self._on_missing = on_missing
@@ -143,6 +154,9 @@ class ResourceWait:
             )
         else:
             message = f"No Dask worker is left in the cluster, and none joined within {wait_s:g} s"
+        if interrupted := {k: v for k, v in found.get("interrupted", {}).items() if k in tasks}:
+            # Before the scheduler fails them: a flow waiting on one must find its final state.
+            self._on_interrupted(interrupted, wait_s)
         failed = self._client.run_on_scheduler(fail, keys=list(tasks), message=message)
         if failed:
             self._logger.error("%s: %d task run(s) fail", message, len(failed))

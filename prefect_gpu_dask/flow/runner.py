@@ -252,11 +252,15 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._note_flow_run()
             client, self._can_grow = clusters.start_or_join(self)
             self._offers = WorkerOffers.of_client(client)
-            self._resource_wait = ResourceWait(
-                client, self._offers, self.logger, self.settings.on_missing_gpu
-            )
             self._recycler = Recycler(
                 client, self.settings.restart, self.logger, on_restart=self._on_restart, ours=self._ours
+            )
+            self._resource_wait = ResourceWait(
+                client,
+                self._offers,
+                self.logger,
+                self.settings.on_missing_gpu,
+                on_interrupted=self._recycler.crash_interrupted,
             )
             self._recycler.start()
             self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait, self.settings)

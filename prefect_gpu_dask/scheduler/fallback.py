@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from prefect_gpu_dask.errors import MissingResourceError
+from prefect_gpu_dask.records import INTERRUPTED, STARTED_THERE
 
 
 def release(dask_scheduler: Any, keys: list[str]) -> list[str]:
@@ -23,14 +24,19 @@ def release(dask_scheduler: Any, keys: list[str]) -> list[str]:
 
 def stranded(dask_scheduler: Any, keys: list[str]) -> dict[str, Any]:
     """Which of ``keys`` no worker can start: waiting for resources nobody offers, or
-    for any worker at all; and whether any worker is running."""
+    for any worker at all; and whether any worker is running. ``interrupted``: those a
+    dead worker had (``InterruptedTasks``' marks): its address, and whether it said it
+    had started the task run."""
     running = bool(dask_scheduler.running)
-    tasks = {}
+    tasks, interrupted = {}, {}
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
         if ts is not None and (ts.state == "no-worker" or (ts.state == "queued" and not running)):
             tasks[key] = dict(ts.resource_restrictions or {})
-    return {"tasks": tasks, "workers": running}
+            marks = ts.annotations or {}
+            if marks.get(INTERRUPTED):
+                interrupted[key] = (str(marks[INTERRUPTED]), bool(marks.get(STARTED_THERE)))
+    return {"tasks": tasks, "workers": running, "interrupted": interrupted}
 
 
 def fail(dask_scheduler: Any, keys: list[str], message: str) -> list[str]:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 
 import dask
 import pytest
 from distributed import Client, LocalCluster
 from prefect import flow, task
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, read_flow_run_gpu_report
 from prefect_gpu_dask.records import LOST, REPLACED
@@ -161,23 +164,27 @@ def test_a_worker_that_dies_before_its_recycle_and_never_comes_back_ends_the_flo
     runner = GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, gpu_wait_s=2)
 
     @flow(task_runner=runner)
-    def left_by_a_dead_worker() -> list[str]:
-        # The leaked result was only on the worker: it goes with it, as the others' turns do.
+    def left_by_a_dead_worker() -> tuple[str, list[str]]:
         futures = [die_later.submit(6.0), keep.submit(512 * MiB), *(short.submit(i) for i in range(3))]
         outcomes = []
         for future in futures:
             try:
                 future.result()
                 outcomes.append("ran")
-            except MissingResourceError as exc:
-                outcomes.append(str(exc))
-        return outcomes
+            except Exception as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        return str(futures[0].task_run_id), outcomes
 
     started = time.monotonic()
     state = left_by_a_dead_worker(return_state=True)
     took = time.monotonic() - started
-    outcomes = state.result()
-    assert all("No Dask worker is left" in o for o in outcomes), outcomes
+    dying_run, [died, *others] = state.result()
+    # The run the worker died in is Crashed, in the flow and in the API; never run twice.
+    assert died.startswith("CrashedRun: Dask worker") and "was not run a second time" in died, died
+    with get_client(sync_client=True) as api:
+        assert api.read_task_run(uuid.UUID(dying_run)).state.type == StateType.CRASHED
+    # The leaked result was only on the worker, and the queued runs never started.
+    assert all(o.startswith("MissingResourceError: No Dask worker is left") for o in others), others
     assert took < 90, took
     report = read_flow_run_gpu_report(state.state_details.flow_run_id)
     [restart] = report.restarts
