@@ -81,9 +81,10 @@ GIVE_UP_S = 3600.0
 # A worker holding a hung thread cannot close gracefully: its nanny waits most of this
 # for it, then kills the process.
 STUCK_RESTART_S = 8.0
-# How long a worker that left before its restart may take to come back under its name
-# (another flow run's restart of a hung worker takes about STUCK_RESTART_S).
-REPLACEMENT_WAIT_S = STUCK_RESTART_S + 4.0
+# How long a worker that left before its restart may take to come back under its name:
+# another flow run's restart of a hung worker takes about STUCK_RESTART_S, a nanny its
+# cluster closed starts again after distributed.deploy.lost-worker-timeout.
+REPLACEMENT_WAIT_S = 60.0
 RESULTS_OFF_EVERY_S = 1.0  # how often other flow runs are asked again to take their results off
 
 
@@ -131,6 +132,7 @@ class Recycler:
         self._left_alone: dict[str, str] = {}  # worker -> why it is never restarted
         self._timed_out: dict[str, Any] = {}  # hung key -> its TimedOut state, until the flow has it
         self._closing = threading.Event()
+        self._ending = threading.Event()  # close() was called: no new wait is worth it
         self._taking_off = threading.Lock()  # held while this flow run's results move off a worker
         self._thread: threading.Thread | None = None
         # Built in the flow's thread: its context (Prefect settings, the API) is the one
@@ -207,6 +209,7 @@ class Recycler:
 
     def close(self, wait: bool) -> None:
         """Finish pending requests (``wait``), or drop them with one INFO line."""
+        self._ending.set()
         if not wait:
             self._closing.set()
             dropped = []
@@ -251,16 +254,18 @@ class Recycler:
         except Exception:
             self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
 
-    def crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], wait_s: float) -> None:
+    def crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], why: str) -> None:
         """Task runs a dead worker was running, with no worker left to refuse them as the
         next one would (``worker.recycling.admit``): ``Crashed`` in the API and in the
         flow, never run a second time. ``interrupted``: per key, the dead worker and
-        whether it said it had started the run; one only queued there that the API does
-        not show running never started, and is left to fail as a missing worker does."""
-        self._context.copy().run(self._crash_interrupted, interrupted, wait_s)
+        whether it said it had started the run; ``why``: why no worker can take it.
+        A run the API shows ended keeps that state; one only queued there that the API
+        does not show running never started, and is left to fail as a missing worker does."""
+        self._context.copy().run(self._crash_interrupted, interrupted, why)
 
-    def _crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], wait_s: float) -> None:
+    def _crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], why: str) -> None:
         from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
         from prefect.states import Crashed
 
         futures = {k: f for k in interrupted if (f := self._futures.get(k)) is not None and not is_moved(f)}
@@ -269,20 +274,36 @@ class Recycler:
         with get_client(sync_client=True) as api:
             for key, future in futures.items():
                 dead, started_there = interrupted[key]
+                run_id = uuid.UUID(str(future.task_run_id))
                 try:
-                    run = api.read_task_run(uuid.UUID(str(future.task_run_id)))
-                    if not (started_there or (run.state is not None and run.state.is_running())):
-                        continue
-                    message = (
-                        f"Dask worker {dead} died while running this task run, and no worker joined "
-                        f"within {wait_s:g} s; it was not run a second time (that could repeat its "
-                        "side effects). Submit it again to re-run it."
-                    )
-                    state = api.set_task_run_state(run.id, Crashed(message=message), force=True).state
-                    settle(future, state or Crashed(message=message))
-                    self.logger.error("Task run %r crashed: %s", run.name, message)
+                    run = api.read_task_run(run_id)
+                except ObjectNotFound:  # its events never reached the API: killed early, or not started
+                    run = None
                 except Exception:
-                    self.logger.exception("Could not mark task run %s Crashed", future.task_run_id)
+                    self.logger.exception("Could not read task run %s", run_id)
+                    continue
+                state = run.state if run is not None else None
+                if state is not None and state.is_final():
+                    settle(future, state)  # it ended before its worker died
+                    continue
+                if not (started_there or (state is not None and state.is_running())):
+                    continue
+                message = (
+                    f"Dask worker {dead} died while running this task run. {why}; it was not run a "
+                    "second time (that could repeat its side effects). Submit it again to re-run it."
+                )
+                crashed = Crashed(message=message)
+                try:
+                    crashed = api.set_task_run_state(run_id, crashed, force=True).state or crashed
+                except ObjectNotFound:
+                    self.logger.warning(
+                        "Task run %s never reached Prefect's API: its worker died before sending it",
+                        run_id,
+                    )
+                except Exception:
+                    self.logger.exception("Could not mark task run %s Crashed in the API", run_id)
+                settle(future, crashed)
+                self.logger.error("Task run %s crashed: %s", run.name if run else run_id, message)
 
     def time_out(self, hung: HungTask) -> None:
         """Mark a task run stuck past its deadline ``TimedOut`` and recycle its worker.
@@ -486,20 +507,20 @@ class Recycler:
         restart that cannot bring it back is: what waited for it may have nowhere left
         to run. Not counted on the scheduler: nothing here restarted it."""
         name = request.worker_name
-        replacement, until = None, time.monotonic() + REPLACEMENT_WAIT_S
-        while name and replacement is None and time.monotonic() < until and not self._closing.is_set():
+        replacement, started = None, time.monotonic()
+        while name and replacement is None and time.monotonic() < started + REPLACEMENT_WAIT_S:
+            if self._ending.is_set():
+                return  # the flow run ends: what waited for the worker waits no more
             serving = [a for a, w in self._workers().items() if str(w.get("name")) == str(name)]
             replacement = next((a for a in serving if a != request.worker), None)
             if replacement is None:
                 time.sleep(RESUMED_S)
-        if self._closing.is_set():
-            return  # close() said what it skipped
         restart_s = time.perf_counter() - requested
         if replacement is None:
-            named = f"no worker named {name!r}" if name else "no worker of its name"
-            why = (
-                f"it left the cluster before it could be recycled, and {named} joined "
-                f"within {REPLACEMENT_WAIT_S:g} s"
+            why = "it left the cluster before it could be recycled" + (
+                f", and no worker named {name!r} joined within {time.monotonic() - started:.0f} s"
+                if name
+                else " (its name unknown, no worker could be taken for its replacement)"
             )
             record = self._record(request, lost(why), restart_s, requested, requested_wall, safe_point_s=None)
             self._restarts.append(record)

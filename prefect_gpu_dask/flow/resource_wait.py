@@ -33,7 +33,7 @@ class ResourceWait:
     ``"cpu"`` runs them without their resources where a worker is left; otherwise they
     fail with ``MissingResourceError``; a task run that a dead worker was running goes
     to ``on_interrupted`` first (its worker's address and whether it said it had
-    started it, per key), which gives it its final state. One daemon thread, started
+    started it, per key, and why it cannot run), which gives it its final state. One daemon thread, started
     with the first waiting task, sleeps until the next deadline; the flow's submit never
     blocks on it.
     """
@@ -44,7 +44,7 @@ class ResourceWait:
         offers: WorkerOffers,
         logger: Any,
         on_missing: str,
-        on_interrupted: Callable[[Mapping[str, tuple[str, bool]], float], object] = lambda runs, wait_s: None,
+        on_interrupted: Callable[[Mapping[str, tuple[str, bool]], str], object] = lambda runs, why: None,
     ):
         self._client = client
         self._on_interrupted = on_interrupted
@@ -156,7 +156,10 @@ class ResourceWait:
             message = f"No Dask worker is left in the cluster, and none joined within {wait_s:g} s"
         if interrupted := {k: v for k, v in found.get("interrupted", {}).items() if k in tasks}:
             # Before the scheduler fails them: a flow waiting on one must find its final state.
-            self._on_interrupted(interrupted, wait_s)
+            try:
+                self._on_interrupted(interrupted, message)
+            except Exception:  # they fail as missing workers all the same: nothing waits for ever
+                self._logger.exception("Could not settle the task runs a dead worker was running")
         failed = self._client.run_on_scheduler(fail, keys=list(tasks), message=message)
         if failed:
             self._logger.error("%s: %d task run(s) fail", message, len(failed))

@@ -403,8 +403,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     def _on_restart(self, restart: RestartRecord) -> None:
         if restart.lost:  # what waited for that worker may have nowhere left to run
-            # Submissions routed from here on see the worker gone and wait as a missing GPU
-            # does; those routed before are tracked by the time the hold is taken.
+            # Submissions asking for resources, routed from here on, see the worker gone and
+            # wait as for a missing GPU; those routed before are tracked once the hold is taken.
             try:
                 self._offers.refresh()
             except Exception as exc:  # the cluster closing, say: the stale answer expires soon
