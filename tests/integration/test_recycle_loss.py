@@ -23,7 +23,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 
-from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, read_flow_run_gpu_report
+from prefect_gpu_dask import GPUDaskTaskRunner, read_flow_run_gpu_report
 from prefect_gpu_dask.records import LOST, REPLACED
 from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 from tests.scripted_probe import FAKE_PROBE, leak
@@ -109,26 +109,35 @@ def test_a_killed_worker_comes_back_when_the_cluster_closes_its_restarting_nanny
         assert pid != victim
 
 
+def runner_on_one_worker_without_nanny(dask_processes, slots: int) -> GPUDaskTaskRunner:
+    """A CLI scheduler and one worker with ``slots`` threads and GPU slots, no nanny."""
+    dask_processes.start_scheduler()
+    dask_processes.start_worker(
+        "only-gpu", "--nthreads", str(slots), "--resources", f"GPU={slots}", "--no-nanny"
+    )
+    dask_processes.wait_for_workers(1)
+    return GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, gpu_wait_s=2)
+
+
+def outcome(future) -> str:
+    """The word "ran", or the error the future of a task run raised, with its type."""
+    try:
+        future.result()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_that_cannot_come_back_is_lost_and_the_flow_run_ends(dask_processes):
     # No nanny: the restart shuts the worker down and nothing brings it back.
-    dask_processes.start_scheduler()
-    dask_processes.start_worker("only-gpu", "--nthreads", "1", "--resources", "GPU=1", "--no-nanny")
-    dask_processes.wait_for_workers(1)
-    runner = GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, gpu_wait_s=2)
+    runner = runner_on_one_worker_without_nanny(dask_processes, slots=1)
 
     @flow(task_runner=runner)
     def left_without_workers() -> tuple[int, list[str]]:
         leaked = keep.submit(512 * MiB)
         queued = [short.submit(i) for i in range(3)]
-        outcomes = []
-        for future in queued:
-            try:
-                future.result()
-                outcomes.append("ran")
-            except MissingResourceError as exc:
-                outcomes.append(str(exc))
-        return leaked.result(), outcomes
+        return leaked.result(), [outcome(future) for future in queued]
 
     started = time.monotonic()
     state = left_without_workers(return_state=True)
@@ -174,22 +183,12 @@ def test_a_worker_that_dies_before_its_recycle_and_never_comes_back_ends_the_flo
     from prefect_gpu_dask.flow import recycling
 
     monkeypatch.setattr(recycling, "REPLACEMENT_WAIT_S", 2.0)
-    dask_processes.start_scheduler()
-    dask_processes.start_worker("only-gpu", "--nthreads", "2", "--resources", "GPU=2", "--no-nanny")
-    dask_processes.wait_for_workers(1)
-    runner = GPUDaskTaskRunner(address=dask_processes.address, memory_probe=FAKE_PROBE, gpu_wait_s=2)
+    runner = runner_on_one_worker_without_nanny(dask_processes, slots=2)
 
     @flow(task_runner=runner)
     def left_by_a_dead_worker() -> tuple[str, list[str]]:
         futures = [die_once_drained.submit(), keep.submit(512 * MiB), *(short.submit(i) for i in range(3))]
-        outcomes = []
-        for future in futures:
-            try:
-                future.result()
-                outcomes.append("ran")
-            except Exception as exc:
-                outcomes.append(f"{type(exc).__name__}: {exc}")
-        return str(futures[0].task_run_id), outcomes
+        return str(futures[0].task_run_id), [outcome(future) for future in futures]
 
     started = time.monotonic()
     state = left_by_a_dead_worker(return_state=True)
