@@ -21,3 +21,13 @@ class WorkerDiedError(BaseException):
     reports it as a crash (``Crashed``: infrastructure lost, not the task's code failing),
     and never retries it.
     """
+
+
+def worker_died_message(worker: str, why: str = "") -> str:
+    """What a task run that ``worker`` died running says, wherever it is refused;
+    ``why``: why no other worker runs it, where none is left."""
+    why = f". {why}" if why else ""
+    return (
+        f"Dask worker {worker} died while running this task run{why}; it was not run a second "
+        "time (that could repeat its side effects). Submit it again to re-run it."
+    )

@@ -42,6 +42,7 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.errors import worker_died_message
 from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock, settle
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
@@ -288,10 +289,7 @@ class Recycler:
                     continue
                 if not (started_there or (state is not None and state.is_running())):
                     continue
-                message = (
-                    f"Dask worker {dead} died while running this task run. {why}; it was not run a "
-                    "second time (that could repeat its side effects). Submit it again to re-run it."
-                )
+                message = worker_died_message(dead, why)
                 crashed = Crashed(message=message)
                 try:
                     crashed = api.set_task_run_state(run_id, crashed, force=True).state or crashed
@@ -515,26 +513,25 @@ class Recycler:
             replacement = next((a for a in serving if a != request.worker), None)
             if replacement is None:
                 time.sleep(RESUMED_S)
-        restart_s = time.perf_counter() - requested
         if replacement is None:
             why = "it left the cluster before it could be recycled" + (
                 f", and no worker named {name!r} joined within {time.monotonic() - started:.0f} s"
                 if name
                 else " (its name unknown, no worker could be taken for its replacement)"
             )
-            record = self._record(request, lost(why), restart_s, requested, requested_wall, safe_point_s=None)
-            self._restarts.append(record)
+            outcome = lost(why)
             self.logger.error("%s (%s) -> lost: %s", request.worker, request.reason, why)
         else:
             outcome = {"outcome": REPLACED, "address": replacement}
-            record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s=None)
-            self._restarts.append(record)
             self.logger.warning(
                 "%s (%s) was replaced before it could be recycled, by another restart or its nanny -> %s",
                 request.worker,
                 request.reason,
                 replacement,
             )
+        restart_s = time.perf_counter() - requested
+        record = self._record(request, outcome, restart_s, requested, requested_wall, safe_point_s=None)
+        self._restarts.append(record)
         self.on_restart(record)
 
     def _try_workers(self, targets: list[str]) -> dict[str, Any]:

@@ -33,9 +33,9 @@ class ResourceWait:
     ``"cpu"`` runs them without their resources where a worker is left; otherwise they
     fail with ``MissingResourceError``; a task run that a dead worker was running goes
     to ``on_interrupted`` first (its worker's address and whether it said it had
-    started it, per key, and why it cannot run), which gives it its final state. One daemon thread, started
-    with the first waiting task, sleeps until the next deadline; the flow's submit never
-    blocks on it.
+    started it, per key, and why it cannot run), which gives it its final state. One
+    daemon thread, started with the first waiting task, sleeps until the next deadline;
+    the flow's submit never blocks on it.
     """
 
     def __init__(

@@ -25,7 +25,7 @@ from distributed.core import Status
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask._compat import current_worker
-from prefect_gpu_dask.errors import WorkerDiedError
+from prefect_gpu_dask.errors import WorkerDiedError, worker_died_message
 from prefect_gpu_dask.records import (
     ENDED_TOPIC,
     INTERRUPTED,
@@ -389,9 +389,6 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
     if started_there or (state is not None and state.is_running()):
         return refused(
             task,
-            WorkerDiedError(
-                f"Dask worker {dead} died while running this task run; it was not run a second "
-                "time (that could repeat its side effects). Submit it again to re-run it."
-            ),
+            WorkerDiedError(worker_died_message(dead)),
         ), None
     return task, None
