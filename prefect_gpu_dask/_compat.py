@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -430,18 +431,27 @@ def data_node(key: Any, value: Any) -> Any:
 # -- nvidia-ml-py ----------------------------------------------------------------
 
 
-def nvml_compute_processes_raw() -> tuple[Any, Any, Any] | None:
+@functools.cache
+def nvml_compute_processes_raw(hold_gil: bool = True) -> tuple[Any, Any, Any] | None:
     """The raw ``nvmlDeviceGetComputeRunningProcesses_v3`` function, its entry type and
     pynvml's status checker, or None where the driver or bindings lack them.
 
     Used to list processes in one driver call into a reused buffer (pynvml's wrapper
-    makes two calls and builds a Python object per entry). Public replacement: a
-    buffer-reusing variant in nvidia-ml-py.
+    makes two calls and builds a Python object per entry). With ``hold_gil`` the same
+    symbol is called through a ``ctypes.PyDLL`` view of pynvml's loaded library, which
+    keeps the GIL for the call instead of releasing it and queueing to take it back.
+    Public replacement: a buffer-reusing, GIL-holding variant in nvidia-ml-py.
     """
+    import ctypes
+
     import pynvml
 
+    name = "nvmlDeviceGetComputeRunningProcesses_v3"
     try:
-        function = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        function = pynvml._nvmlGetFunctionPointer(name)
+        if hold_gil:
+            library = pynvml.nvmlLib
+            function = getattr(ctypes.PyDLL(library._name, handle=library._handle), name)
         return function, pynvml.c_nvmlProcessInfo_v3_t, pynvml._nvmlCheckReturn
     except (AttributeError, pynvml.NVMLError_FunctionNotFound):
         return None

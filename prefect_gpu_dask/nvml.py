@@ -148,6 +148,15 @@ def process_pids(handle: Any) -> list[int]:
 
 _buffers = threading.local()
 PROCESS_SLOTS = 32
+# A process list takes the driver tens of microseconds. Asked with the GIL released, the
+# asking thread (a guarded task's, on its GPU slot) then queues for the GIL behind any
+# thread that took it meanwhile, for up to Python's switch interval. Set to "false" where
+# the driver's answer can take long (the worker's other threads then keep running).
+HOLD_GIL_ENV = "PREFECT_GPU_DASK_NVML_HOLD_GIL"
+
+
+def _hold_gil() -> bool:
+    return os.environ.get(HOLD_GIL_ENV, "true").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _compute_processes(handle: Any) -> Sequence[Any]:
@@ -159,7 +168,7 @@ def _compute_processes(handle: Any) -> Sequence[Any]:
     """
     import pynvml
 
-    raw = _compat.nvml_compute_processes_raw()
+    raw = _compat.nvml_compute_processes_raw(hold_gil=_hold_gil())
     if raw is None:  # older driver or pynvml
         return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     function, entry, check = raw

@@ -250,6 +250,47 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
 
 
+def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
+    """The guard's per-process read keeps the GIL (a PyDLL call), reads what pynvml's own
+    wrapper reads, and stays fast while another thread wants the GIL; the opt-out
+    releases it again."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, os, statistics, threading, time, cupy, pynvml; cupy.zeros(1)\n"
+        "from prefect_gpu_dask import _compat, nvml\n"
+        "from prefect_gpu_dask.worker.probe import open_probe\n"
+        "probe = open_probe(); handle = probe._handle\n"
+        "held, released = (_compat.nvml_compute_processes_raw(hold_gil=h)[0] for h in (True, False))\n"
+        "pythonapi = ctypes._FUNCFLAG_PYTHONAPI\n"
+        "assert held._flags_ & pythonapi and not released._flags_ & pythonapi\n"
+        "theirs = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}\n"
+        "assert nvml.process_memory(handle, os.getpid()) == theirs[os.getpid()] > 0, theirs\n"
+        "os.environ[nvml.HOLD_GIL_ENV] = 'false'\n"
+        "assert nvml.process_memory(handle, os.getpid()) == theirs[os.getpid()]\n"
+        "os.environ[nvml.HOLD_GIL_ENV] = 'true'\n"
+        "stop = False\n"
+        "def spin():\n"
+        "    while not stop: pass\n"
+        "spinner = threading.Thread(target=spin); spinner.start()\n"
+        "def median_us():\n"
+        "    times = []\n"
+        "    for _ in range(50):\n"
+        "        t = time.perf_counter(); nvml.process_memory(handle, os.getpid())\n"
+        "        times.append(time.perf_counter() - t)\n"
+        "    return statistics.median(times) * 1e6\n"
+        "held_us = median_us(); os.environ[nvml.HOLD_GIL_ENV] = 'false'; released_us = median_us()\n"
+        "stop = True; spinner.join()\n"
+        "print('ok', f'held {held_us:.1f} us, released {released_us:.1f} us (median, a thread spinning)')\n"
+        "assert held_us < 1000, held_us\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    print(done.stdout)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+
+
 @task(tags=["gpu"])
 def svd_of_tall_skinny(seed: int) -> float:
     """As flows/svd.py: an SVD of a CuPy-backed 10000x1000 Dask array."""
