@@ -61,6 +61,9 @@ def bench_per_task(n: int, gpu: bool, repeat: int = 1) -> dict[str, Any]:
     for _ in range(repeat):
         rounds["threadpool"].append(timed(ThreadPoolTaskRunner(max_workers=16)))
         rounds["runner"].append(timed(GPUDaskTaskRunner(cluster_kwargs=cluster, guard="off")))
+        # Each round as it ends: a run stopped later still shows the rounds it finished.
+        pool, runner = rounds["threadpool"][-1], rounds["runner"][-1]
+        print(f"  tasks {n}: thread pool {pool:.3f} s, runner {runner:.3f} s", flush=True)
     out: dict[str, Any] = {"n": n}
     for name, values in rounds.items():
         out[f"{name}_s"] = statistics.median(values)
