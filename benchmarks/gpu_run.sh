@@ -43,41 +43,66 @@ quiet() {
   echo "# $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd';'); $(nproc) host cores; $(date -u +%FT%TZ)"
   python3 -c "import dask, distributed, dask_cuda, prefect, cupy; print('dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__)"
 } > "$OUT/environment.txt" 2>&1
+# Each step writes to a file, not a pipe, and a step past its time is stopped with all it
+# started (timeout signals its process group; KILL 10 s after TERM, as Prefect's engine
+# may take minutes to report a crash): a Prefect server or Dask worker left holding a
+# pipe open would hold the batch. The host cluster, in a session of its own, is stopped.
+step() {  # step SECONDS OUTFILE COMMAND...: COMMAND's output in OUTFILE, its exit status
+  local limit=$1 out=$2 rc
+  shift 2
+  timeout -k 10 "$limit" "$@" > "$out" 2>&1
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "# stopped after $limit s" >> "$out"
+    python3 -m prefect_gpu_dask cluster stop > /dev/null 2>&1
+  fi
+  return "$rc"
+}
 if [[ $PHASES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s tests/ 2>&1 | quiet > "$OUT/gpu-tests.txt"
+  step ${TESTS_TIMEOUT:-300} "$OUT/gpu-tests-raw.txt" python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s tests/
+  quiet < "$OUT/gpu-tests-raw.txt" > "$OUT/gpu-tests.txt" && rm "$OUT/gpu-tests-raw.txt"
   tail -3 "$OUT/gpu-tests.txt"
 fi
 if [[ $PHASES == *flows* ]]; then
   for flow in speed_cube svd leak_demo; do
-    timeout 90 python3 "flows/$flow.py" 2>&1 | quiet > "$OUT/flow-$flow.txt"
-    echo "flows/$flow.py exit $?" >> "$OUT/flow-$flow.txt"
+    step 90 "$OUT/flow-$flow-raw.txt" python3 "flows/$flow.py"
+    echo "flows/$flow.py exit $?" >> "$OUT/flow-$flow-raw.txt"
+    quiet < "$OUT/flow-$flow-raw.txt" > "$OUT/flow-$flow.txt" && rm "$OUT/flow-$flow-raw.txt"
     tail -2 "$OUT/flow-$flow.txt"
   done
 fi
 if [[ $PHASES == *probes* ]]; then
-  timeout 120 python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json" 2>&1 | tee "$OUT/probe-first-use.txt"
-  timeout 120 python3 benchmarks/probes/flow_end.py 2>/dev/null | tee "$OUT/probe-flow-end.txt"
-  timeout 240 python3 benchmarks/probes/tagged_path.py 1000 30 2>/dev/null | grep -v "| INFO" | tee "$OUT/probe-tagged-path.txt"
-  timeout 240 python3 benchmarks/probes/console_lines.py --tasks 1000 --task-rounds 3 \
-    --out "$OUT/console-lines.json" 2>/dev/null | tee "$OUT/probe-console-lines.txt"
+  step 120 "$OUT/probe-first-use.txt" python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json"
+  step 120 "$OUT/probe-flow-end.txt" sh -c 'exec python3 benchmarks/probes/flow_end.py 2>/dev/null'
+  step 240 "$OUT/probe-tagged-path-raw.txt" sh -c 'exec python3 benchmarks/probes/tagged_path.py 1000 30 2>/dev/null'
+  grep -v "| INFO" "$OUT/probe-tagged-path-raw.txt" > "$OUT/probe-tagged-path.txt" && rm "$OUT/probe-tagged-path-raw.txt"
+  step 240 "$OUT/probe-console-lines.txt" sh -c 'exec python3 benchmarks/probes/console_lines.py --tasks 1000 \
+    --task-rounds 3 --out "$1/console-lines.json" 2>/dev/null' _ "$OUT"
+  tail -n 12 "$OUT"/probe-*.txt
 fi
 if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator's commands
   for flows in 2 4; do
-    timeout 150 python3 benchmarks/shared_gpu_host.py --flows $flows --host-cluster --leak-in-one --tasks 10 \
-      --out "$OUT/shared-gpu-host-$flows-host-cluster-leak.json" 2>&1 | quiet > "$OUT/shared-gpu-host-$flows-host-cluster-leak.txt"
-    tail -22 "$OUT/shared-gpu-host-$flows-host-cluster-leak.txt"
+    name="shared-gpu-host-$flows-host-cluster-leak"
+    step 150 "$OUT/$name-raw.txt" python3 benchmarks/shared_gpu_host.py --flows $flows --host-cluster --leak-in-one \
+      --tasks 10 --out "$OUT/$name.json"
+    quiet < "$OUT/$name-raw.txt" > "$OUT/$name.txt" && rm "$OUT/$name-raw.txt"
+    tail -22 "$OUT/$name.txt"
   done
-  timeout 120 python3 benchmarks/probes/operations.py --gpu 2>&1 | quiet > "$OUT/operations.txt"
-  timeout 150 python3 benchmarks/probes/host_cluster.py --joins 10 --starts 3 --tasks 500 --repeat 3 \
-    --out "$OUT/host-cluster.json" 2>&1 | quiet > "$OUT/host-cluster.txt"
+  step 120 "$OUT/operations-raw.txt" python3 benchmarks/probes/operations.py --gpu
+  quiet < "$OUT/operations-raw.txt" > "$OUT/operations.txt" && rm "$OUT/operations-raw.txt"
+  step 150 "$OUT/host-cluster-raw.txt" python3 benchmarks/probes/host_cluster.py --joins 10 --starts 3 --tasks 500 \
+    --repeat 3 --out "$OUT/host-cluster.json"
+  quiet < "$OUT/host-cluster-raw.txt" > "$OUT/host-cluster.txt" && rm "$OUT/host-cluster-raw.txt"
   tail -8 "$OUT/host-cluster.txt"
 fi
 if [[ $PHASES == *sqlite* ]]; then  # the README's default: embedded SQLite server, fresh PREFECT_HOME
-  timeout ${SQLITE_TIMEOUT:-480} python3 benchmarks/sqlite_default.py --out "$OUT/sqlite-default.json" \
-    2>"$OUT/sqlite-default-stderr.txt" | tee "$OUT/sqlite-default.txt" | tail -16
+  step ${SQLITE_TIMEOUT:-480} "$OUT/sqlite-default.txt" sh -c \
+    'exec python3 benchmarks/sqlite_default.py --out "$1/sqlite-default.json" 2>"$1/sqlite-default-stderr.txt"' _ "$OUT"
+  tail -16 "$OUT/sqlite-default.txt"
 fi
 if [[ $PHASES == *bench* ]]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-} 2>&1 |
-    tee "$OUT/bench-raw.txt" | quiet > "$OUT/bench.txt"
+  # shellcheck disable=SC2086  # BENCH_ARGS are words
+  step ${BENCH_TIMEOUT:-400} "$OUT/bench-raw.txt" python3 benchmarks/run.py --out "$OUT/results" ${BENCH_ARGS:-}
+  quiet < "$OUT/bench-raw.txt" > "$OUT/bench.txt"
   tail -40 "$OUT/bench.txt"
 fi
