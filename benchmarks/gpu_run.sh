@@ -52,22 +52,31 @@ step() {  # step SECONDS OUTFILE COMMAND...: COMMAND's output in OUTFILE, its ex
   shift 2
   timeout -k 10 "$limit" "$@" > "$out" 2>&1
   rc=$?
+  case $rc in
+    124) echo "# stopped after $limit s" >> "$out" ;;
+    137) echo "# killed (SIGKILL: past its time and deaf to TERM, or the kernel's OOM killer)" >> "$out" ;;
+  esac
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    echo "# stopped after $limit s" >> "$out"
-    python3 -m prefect_gpu_dask cluster stop > /dev/null 2>&1
+    timeout -k 5 60 python3 -m prefect_gpu_dask cluster stop > /dev/null 2>&1
   fi
   return "$rc"
 }
+filtered() {  # filtered RAW OUT FILTER...: FILTER RAW into OUT, then drop RAW
+  local raw=$1 out=$2
+  shift 2
+  "$@" < "$raw" > "$out"
+  rm -f "$raw"
+}
 if [[ $PHASES == *tests* ]]; then
   step ${TESTS_TIMEOUT:-300} "$OUT/gpu-tests-raw.txt" python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s tests/
-  quiet < "$OUT/gpu-tests-raw.txt" > "$OUT/gpu-tests.txt" && rm "$OUT/gpu-tests-raw.txt"
+  filtered "$OUT/gpu-tests-raw.txt" "$OUT/gpu-tests.txt" quiet
   tail -3 "$OUT/gpu-tests.txt"
 fi
 if [[ $PHASES == *flows* ]]; then
   for flow in speed_cube svd leak_demo; do
     step 90 "$OUT/flow-$flow-raw.txt" python3 "flows/$flow.py"
     echo "flows/$flow.py exit $?" >> "$OUT/flow-$flow-raw.txt"
-    quiet < "$OUT/flow-$flow-raw.txt" > "$OUT/flow-$flow.txt" && rm "$OUT/flow-$flow-raw.txt"
+    filtered "$OUT/flow-$flow-raw.txt" "$OUT/flow-$flow.txt" quiet
     tail -2 "$OUT/flow-$flow.txt"
   done
 fi
@@ -75,7 +84,7 @@ if [[ $PHASES == *probes* ]]; then
   step 120 "$OUT/probe-first-use.txt" python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json"
   step 120 "$OUT/probe-flow-end.txt" sh -c 'exec python3 benchmarks/probes/flow_end.py 2>/dev/null'
   step 240 "$OUT/probe-tagged-path-raw.txt" sh -c 'exec python3 benchmarks/probes/tagged_path.py 1000 30 2>/dev/null'
-  grep -v "| INFO" "$OUT/probe-tagged-path-raw.txt" > "$OUT/probe-tagged-path.txt" && rm "$OUT/probe-tagged-path-raw.txt"
+  filtered "$OUT/probe-tagged-path-raw.txt" "$OUT/probe-tagged-path.txt" grep -v "| INFO"
   step 240 "$OUT/probe-console-lines.txt" sh -c 'exec python3 benchmarks/probes/console_lines.py --tasks 1000 \
     --task-rounds 3 --out "$1/console-lines.json" 2>/dev/null' _ "$OUT"
   tail -n 12 "$OUT"/probe-*.txt
@@ -85,14 +94,14 @@ if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator
     name="shared-gpu-host-$flows-host-cluster-leak"
     step 150 "$OUT/$name-raw.txt" python3 benchmarks/shared_gpu_host.py --flows $flows --host-cluster --leak-in-one \
       --tasks 10 --out "$OUT/$name.json"
-    quiet < "$OUT/$name-raw.txt" > "$OUT/$name.txt" && rm "$OUT/$name-raw.txt"
+    filtered "$OUT/$name-raw.txt" "$OUT/$name.txt" quiet
     tail -22 "$OUT/$name.txt"
   done
   step 120 "$OUT/operations-raw.txt" python3 benchmarks/probes/operations.py --gpu
-  quiet < "$OUT/operations-raw.txt" > "$OUT/operations.txt" && rm "$OUT/operations-raw.txt"
+  filtered "$OUT/operations-raw.txt" "$OUT/operations.txt" quiet
   step 150 "$OUT/host-cluster-raw.txt" python3 benchmarks/probes/host_cluster.py --joins 10 --starts 3 --tasks 500 \
     --repeat 3 --out "$OUT/host-cluster.json"
-  quiet < "$OUT/host-cluster-raw.txt" > "$OUT/host-cluster.txt" && rm "$OUT/host-cluster-raw.txt"
+  filtered "$OUT/host-cluster-raw.txt" "$OUT/host-cluster.txt" quiet
   tail -8 "$OUT/host-cluster.txt"
 fi
 if [[ $PHASES == *sqlite* ]]; then  # the README's default: embedded SQLite server, fresh PREFECT_HOME
