@@ -165,8 +165,9 @@ def die_once_drained() -> None:
     worker, deadline = get_worker(), time.monotonic() + 120
     with get_client(sync_client=True) as api:
         while time.monotonic() < deadline:
-            with contextlib.suppress(ObjectNotFound):
-                if api.read_task_run(uuid.UUID(task_run.id)).state.is_running():
+            with contextlib.suppress(ObjectNotFound):  # the API may have the run before a state
+                state = api.read_task_run(uuid.UUID(task_run.id)).state
+                if state is not None and state.is_running():
                     break
             time.sleep(0.1)
     while worker.status != Status.closing_gracefully and time.monotonic() < deadline:
