@@ -5,6 +5,8 @@ Raised on a worker or the scheduler, and seen by the flow.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MissingResourceError(RuntimeError):
     """A task asked for a resource (e.g. a GPU) that no worker in the cluster offers."""
@@ -31,3 +33,10 @@ def worker_died_message(worker: str, why: str = "") -> str:
         f"Dask worker {worker} died while running this task run{why}; it was not run a second "
         "time (that could repeat its side effects). Submit it again to re-run it."
     )
+
+
+def died_running(started_there: bool, state: Any) -> bool:
+    """Whether a dead worker was running a task run: it said it had started it, or
+    Prefect's API shows it running (``state``: its state there, None where it has none).
+    Such a run is never run a second time."""
+    return started_there or (state is not None and state.is_running())

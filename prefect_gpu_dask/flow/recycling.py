@@ -42,7 +42,7 @@ from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.errors import worker_died_message
+from prefect_gpu_dask.errors import died_running, worker_died_message
 from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock, settle
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
@@ -287,7 +287,7 @@ class Recycler:
                 if state is not None and state.is_final():
                     settle(future, state)  # it ended before its worker died
                     continue
-                if not (started_there or (state is not None and state.is_running())):
+                if not died_running(started_there, state):
                     continue
                 message = worker_died_message(dead, why)
                 crashed = Crashed(message=message)

@@ -25,7 +25,7 @@ from distributed.core import Status
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask._compat import current_worker
-from prefect_gpu_dask.errors import WorkerDiedError, worker_died_message
+from prefect_gpu_dask.errors import WorkerDiedError, died_running, worker_died_message
 from prefect_gpu_dask.records import (
     ENDED_TOPIC,
     INTERRUPTED,
@@ -386,9 +386,6 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
                 "run a second time (that could repeat its side effects). Submit it again to re-run it."
             )
         )
-    if started_there or (state is not None and state.is_running()):
-        return refused(
-            task,
-            WorkerDiedError(worker_died_message(dead)),
-        ), None
+    if died_running(started_there, state):
+        return refused(task, WorkerDiedError(worker_died_message(dead))), None
     return task, None

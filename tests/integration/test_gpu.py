@@ -231,11 +231,20 @@ def test_gpu_task_computes_a_collection_over_every_gpu():
         assert held == workers
 
 
-def test_process_reading_matches_the_full_reading_without_device_figures():
-    """The guard's cheaper before-task reading (one NVML call) agrees with sample()."""
+def runs_ok_in_a_child_on_one_gpu(code: str) -> None:
+    """Run ``code`` in a child process on the first visible GPU (a CUDA context here would
+    sit on GPU 0 for the other tests); it must exit 0 having printed "ok" first."""
     import subprocess
     import sys
 
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    print(done.stdout)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+
+
+def test_process_reading_matches_the_full_reading_without_device_figures():
+    """The guard's cheaper before-task reading (one NVML call) agrees with sample()."""
     code = (
         "import cupy; cupy.zeros(1)\n"
         "from prefect_gpu_dask.worker.probe import open_probe\n"
@@ -244,19 +253,13 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
         "assert (cheap.device_used, cheap.device_total) == (0, 0) and full.device_total > 0\n"
         "print('ok', full.process)\n"
     )
-    # In a child process: a CUDA context here would sit on GPU 0 for the other tests.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+    runs_ok_in_a_child_on_one_gpu(code)
 
 
 def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
     """The guard's per-process read keeps the GIL (a PyDLL call), reads what pynvml's own
     wrapper reads, and stays fast while another thread wants the GIL; the opt-out
     releases it again."""
-    import subprocess
-    import sys
-
     code = (
         "import ctypes, os, statistics, threading, time, cupy, pynvml; cupy.zeros(1)\n"
         "from prefect_gpu_dask import _compat, nvml\n"
@@ -287,10 +290,7 @@ def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
         "print('ok', f'held {held_us:.1f} us, released {released_us:.1f} us (median, a thread spinning)')\n"
         "assert held_us < 1000, held_us\n"
     )
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    print(done.stdout)
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+    runs_ok_in_a_child_on_one_gpu(code)
 
 
 @task(tags=["gpu"])
