@@ -31,7 +31,7 @@ from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
 from prefect_gpu_dask.flow.heap import release_freed_heap_soon
-from prefect_gpu_dask.flow.prefect_api import share_ephemeral_api
+from prefect_gpu_dask.flow.prefect_api import count_sent, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.routing import TagRouter, WorkerOffers
@@ -171,6 +171,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._can_grow = True  # workers may still join: tasks wait for their resources
         self._guard_on = False
         self._flow_run_id: str | None = None
+        self._on_ephemeral_api = False  # the flow run reports to the ephemeral server it shares
         self._flow_name: str | None = None  # keys the right-sizing history
         self._live: reporting.LivePublisher | None = None
         # This flow run's records as the subscription delivers them: reading them back with
@@ -345,7 +346,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 oom_retries=self.settings.oom_retries,
                 host_gpu_lock=self.settings.host_gpu_lock,
             )
-            return self._submitter.submit(task, route, parameters, wait_for, dependencies)
+            future = self._submitter.submit(task, route, parameters, wait_for, dependencies)
+        if self._on_ephemeral_api:  # its process keeps the server up until it is recorded
+            count_sent(self._flow_run_id)
+        return future
 
     @overload
     def map(
@@ -418,7 +422,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def __enter__(self) -> GPUDaskTaskRunner:
         super().__enter__()
         if current_worker() is None:  # a worker's engine enters a copy per task run
-            share_ephemeral_api(self._exit_stack)
+            self._on_ephemeral_api = share_ephemeral_api(self._exit_stack)
             # The flow run's end need not wait out its heartbeat thread's sleep.
             stop_flow_heartbeats_unjoined(_is_gpu_dask_runner)
         return self
