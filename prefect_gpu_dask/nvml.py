@@ -122,8 +122,19 @@ def device_index(handle: Any) -> int | None:
 
 
 def device_memory(handle: Any) -> DeviceMemory | None:
-    info = _read("nvmlDeviceGetMemoryInfo", handle)
-    return None if info is None else DeviceMemory(used=int(info.used), total=int(info.total))
+    """The device's memory in use and in all; one short driver call, holding the GIL
+    like the process list (``_hold_gil``)."""
+    import pynvml
+
+    function = _compat.nvml_raw("nvmlDeviceGetMemoryInfo", hold_gil=_hold_gil())
+    if function is None:
+        return None
+    info = pynvml.c_nvmlMemory_t()
+    status = function(handle, ctypes.byref(info))
+    if status == pynvml.NVML_ERROR_NOT_SUPPORTED:
+        return None
+    _compat.nvml_check(status)
+    return DeviceMemory(used=int(info.used), total=int(info.total))
 
 
 def process_memory(handle: Any, pid: int) -> int:
@@ -148,10 +159,11 @@ def process_pids(handle: Any) -> list[int]:
 
 _buffers = threading.local()
 PROCESS_SLOTS = 32
-# A process list takes the driver tens of microseconds. Asked with the GIL released, the
-# asking thread (a guarded task's, on its GPU slot) then queues for the GIL behind any
-# thread that took it meanwhile, for up to Python's switch interval. Set to "false" where
-# the driver's answer can take long (the worker's other threads then keep running).
+# A process list takes the driver tens of microseconds (the device's memory, a few).
+# Asked with the GIL released, the asking thread (a guarded task's, on its GPU slot) then
+# queues for the GIL behind any thread that took it meanwhile, for up to Python's switch
+# interval. Set to "false" where the driver's answer can take long (the worker's other
+# threads then keep running).
 HOLD_GIL_ENV = "PREFECT_GPU_DASK_NVML_HOLD_GIL"
 
 
@@ -171,7 +183,7 @@ def _compute_processes(handle: Any) -> Sequence[Any]:
     raw = _compat.nvml_compute_processes_raw(hold_gil=_hold_gil())
     if raw is None:  # older driver or pynvml
         return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    function, entry, check = raw
+    function, entry = raw
     buffer = getattr(_buffers, "buffer", None)
     while True:
         if buffer is None:
@@ -181,7 +193,7 @@ def _compute_processes(handle: Any) -> Sequence[Any]:
         if status != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
             break
         buffer = _buffers.buffer = (entry * (2 * count.value + 5))()  # room for newcomers
-    check(status)
+    _compat.nvml_check(status)
     return buffer[: count.value]
 
 

@@ -257,9 +257,9 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
 
 
 def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
-    """The guard's per-process read keeps the GIL (a PyDLL call), reads what pynvml's own
-    wrapper reads, and stays fast while another thread wants the GIL; the opt-out
-    releases it again."""
+    """The guard's per-process and device-memory reads keep the GIL (PyDLL calls), read
+    what pynvml's own wrappers read, and stay fast while another thread wants the GIL;
+    the opt-out releases it again."""
     code = (
         "import ctypes, os, statistics, threading, time, cupy, pynvml; cupy.zeros(1)\n"
         "from prefect_gpu_dask import _compat, nvml\n"
@@ -271,6 +271,9 @@ def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
         "theirs = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}\n"
         "assert nvml.process_memory(handle, os.getpid()) == theirs[os.getpid()] > 0, theirs\n"
         "assert _compat.nvml_compute_processes_raw(hold_gil=nvml._hold_gil())[0] is held\n"
+        "assert _compat.nvml_raw('nvmlDeviceGetMemoryInfo', True)._flags_ & pythonapi\n"
+        "theirs_memory = pynvml.nvmlDeviceGetMemoryInfo(handle); ours = nvml.device_memory(handle)\n"
+        "assert ours.total == theirs_memory.total and abs(ours.used - theirs_memory.used) < 2**26, ours\n"
         "os.environ[nvml.HOLD_GIL_ENV] = 'false'\n"
         "assert _compat.nvml_compute_processes_raw(hold_gil=nvml._hold_gil())[0] is released\n"
         "assert nvml.process_memory(handle, os.getpid()) == theirs[os.getpid()]\n"
@@ -285,10 +288,20 @@ def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
         "        t = time.perf_counter(); nvml.process_memory(handle, os.getpid())\n"
         "        times.append(time.perf_counter() - t)\n"
         "    return statistics.median(times) * 1e6\n"
-        "held_us = median_us(); os.environ[nvml.HOLD_GIL_ENV] = 'false'; released_us = median_us()\n"
+        "def device_median_us():\n"
+        "    times = []\n"
+        "    for _ in range(50):\n"
+        "        t = time.perf_counter(); nvml.device_memory(handle)\n"
+        "        times.append(time.perf_counter() - t)\n"
+        "    return statistics.median(times) * 1e6\n"
+        "held_us, device_held_us = median_us(), device_median_us()\n"
+        "os.environ[nvml.HOLD_GIL_ENV] = 'false'\n"
+        "released_us, device_released_us = median_us(), device_median_us()\n"
         "stop = True; spinner.join()\n"
-        "print('ok', f'held {held_us:.1f} us, released {released_us:.1f} us (median, a thread spinning)')\n"
-        "assert held_us < 1000, held_us\n"
+        "print('ok', f'process list: held {held_us:.1f} us, released {released_us:.1f} us; '\n"
+        "      f'device memory: held {device_held_us:.1f} us, released {device_released_us:.1f} us '\n"
+        "      '(medians of 50, a thread spinning)')\n"
+        "assert held_us < 1000 and device_held_us < 1000, (held_us, device_held_us)\n"
     )
     runs_ok_in_a_child_on_one_gpu(code)
 
