@@ -248,6 +248,20 @@ def keep_every_recorded_event() -> bool:
 # -- distributed -----------------------------------------------------------------
 
 
+def started_ephemeral_api_server() -> Any:
+    """Prefect's ephemeral API server for this process, started (at once where it runs).
+
+    Prefect stops it from an ``atexit`` hook it registers when it first starts it, so a
+    hook registered after this call runs before the server stops. Public replacement:
+    an ephemeral server that drains its event consumers before it stops.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()  # already running for this process: returns at once
+    return server
+
+
 def current_worker() -> Any:
     """The Dask worker this code runs in (a task's thread or the worker's event loop),
     or None outside any worker. Public replacement: a ``distributed.get_worker()`` that

@@ -31,7 +31,7 @@ from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
 from prefect_gpu_dask.flow.heap import release_freed_heap_soon
-from prefect_gpu_dask.flow.prefect_api import count_sent, share_ephemeral_api
+from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.routing import TagRouter, WorkerOffers
@@ -348,7 +348,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             )
             future = self._submitter.submit(task, route, parameters, wait_for, dependencies)
         if self._on_ephemeral_api:  # its process keeps the server up until it is recorded
-            count_sent(self._flow_run_id)
+            count_when_done(future)
         return future
 
     @overload
