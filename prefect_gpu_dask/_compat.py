@@ -248,6 +248,22 @@ def keep_every_recorded_event() -> bool:
 # -- distributed -----------------------------------------------------------------
 
 
+def imported_module(name: str) -> Any:
+    """``sys.modules[name]`` once its import has finished, else None.
+
+    A module another thread is still importing is already in ``sys.modules``, with only
+    part of its attributes. Public replacement: none in ``importlib``; this reads the
+    flag the import system keeps on the module's spec while it runs
+    (``ModuleSpec._initializing``).
+    """
+    import sys
+
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
 def started_ephemeral_api_server() -> Any:
     """Prefect's ephemeral API server for this process, started (at once where it runs).
 

@@ -18,7 +18,6 @@ import gc
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import traceback
@@ -69,14 +68,15 @@ logger = logging.getLogger(__name__)
 def release_allocator_caches() -> None:
     """Give cached device memory back to the driver, for libraries already loaded.
 
-    Never imports anything: a library that is not in ``sys.modules`` has no cache.
+    Never imports anything: a library that is not imported (or still being imported by
+    another thread) has no cache.
     """
     gc.collect()
-    cupy = sys.modules.get("cupy")
+    cupy = _compat.imported_module("cupy")
     if cupy is not None:
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
-    torch = sys.modules.get("torch")
+    torch = _compat.imported_module("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     # RMM pools cannot shrink; a worker running on an RMM pool is judged after the
@@ -503,7 +503,14 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
         return
     if settings is not None:
         guard.follow(settings)
-    ticket, before, started = guard.begin()
+    try:
+        ticket, before, started = guard.begin()
+    except Exception:  # the guard must never change what the task does: it runs unmeasured
+        logger.exception(
+            "GPU memory guard could not measure a task on %s; it runs unguarded", guard.worker.address
+        )
+        yield
+        return
     if settings is not None and settings.stall_s is not None:
         guard.watch_for_stall(ticket, settings, _task_identity())
     oom = None

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from prefect_gpu_dask import nvml
+from prefect_gpu_dask import _compat, nvml
 
 T = TypeVar("T")
 
@@ -53,22 +52,23 @@ class AllocatorBytes(NamedTuple):
 def loaded_allocator_bytes() -> AllocatorBytes:
     """CuPy's and torch's pools and RMM's statistics, for the libraries already loaded.
 
-    Never imports anything: a library that is not in ``sys.modules`` holds nothing.
-    RMM counts only where its statistics are enabled (``rmm.statistics``).
+    Never imports anything: a library that is not imported holds nothing, and one that
+    another thread is still importing holds nothing yet. RMM counts only where its
+    statistics are enabled (``rmm.statistics``).
     """
     cached, owned = 0, None
-    cupy = sys.modules.get("cupy")
+    cupy = _compat.imported_module("cupy")
     if cupy is not None:
         pool = cupy.get_default_memory_pool()
         used = pool.used_bytes()
         cached += pool.total_bytes() - used
         owned = used
-    torch = sys.modules.get("torch")
+    torch = _compat.imported_module("torch")
     if torch is not None and torch.cuda.is_initialized():
         allocated = torch.cuda.memory_allocated()
         cached += torch.cuda.memory_reserved() - allocated
         owned = (owned or 0) + allocated
-    statistics = getattr(sys.modules.get("rmm"), "statistics", None)
+    statistics = getattr(_compat.imported_module("rmm"), "statistics", None)
     if statistics is not None:
         try:
             stats = statistics.get_statistics()

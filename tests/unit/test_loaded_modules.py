@@ -1,0 +1,87 @@
+"""A library another thread is still importing: the guard reads nothing from it (the
+half-made module lacks its functions), and a guard that cannot measure lets the task run."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from prefect_gpu_dask import _compat
+from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker import guard as guard_module
+from prefect_gpu_dask.worker.probe import AllocatorBytes, loaded_allocator_bytes
+
+SLOW_LIBRARY = textwrap.dedent(
+    """
+    import time
+    time.sleep(1.0)  # a big library's import, like CuPy's
+
+    def get_default_memory_pool():
+        raise AssertionError("read before its import ended")
+    """
+)
+
+
+def test_a_module_is_none_until_its_import_ends(tmp_path, monkeypatch):
+    (tmp_path / "slow_library.py").write_text(SLOW_LIBRARY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_library", raising=False)
+    importer = threading.Thread(target=__import__, args=("slow_library",))
+    importer.start()
+    deadline = time.monotonic() + 10
+    while "slow_library" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "slow_library" in sys.modules  # half-made, yet there
+    assert _compat.imported_module("slow_library") is None
+    importer.join()
+    assert _compat.imported_module("slow_library") is sys.modules["slow_library"]
+
+
+def test_allocators_being_imported_hold_nothing_yet(tmp_path, monkeypatch):
+    """CuPy half-imported by another task's thread: no AttributeError from the reading,
+    nothing counted; the cache release skips it too."""
+    (tmp_path / "cupy.py").write_text(SLOW_LIBRARY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    importer = threading.Thread(target=__import__, args=("cupy",))
+    importer.start()
+    deadline = time.monotonic() + 10
+    while "cupy" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert loaded_allocator_bytes() == AllocatorBytes(0, None)
+        guard_module.release_allocator_caches()
+    finally:
+        importer.join()
+        monkeypatch.delitem(sys.modules, "cupy", raising=False)
+
+
+def test_a_guard_that_cannot_measure_lets_the_task_run(monkeypatch, caplog):
+    from tests.scripted_probe import FakeDeviceProbe
+
+    class Worker:
+        address = name = "tcp://127.0.0.1:1"
+
+        def log_event(self, topic, msg):
+            pass
+
+    guard = guard_module.GPUMemoryGuard(RunnerSettings(memory_probe=FakeDeviceProbe, health_check_s=None))
+    asyncio.run(guard.setup(Worker()))
+
+    def cannot_read():
+        raise AttributeError("partially initialized module 'cupy' has no attribute 'get_default_memory_pool'")
+
+    monkeypatch.setattr(guard, "begin", cannot_read)
+    monkeypatch.setattr(guard_module, "current_guard", lambda: guard)
+    ran = []
+    with guard_module.guarding():
+        ran.append(True)
+    assert ran == [True]
+    assert "could not measure a task" in caplog.text
+    with pytest.raises(ValueError, match="the task's own"), guard_module.guarding():
+        raise ValueError("the task's own")
