@@ -4,10 +4,12 @@ half-made module lacks its functions), and a guard that cannot measure lets the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,43 +29,40 @@ SLOW_LIBRARY = textwrap.dedent(
 )
 
 
-def test_a_module_is_none_until_its_import_ends(tmp_path, monkeypatch):
-    (tmp_path / "slow_library.py").write_text(SLOW_LIBRARY)
+@contextlib.contextmanager
+def half_imported(name: str, tmp_path, monkeypatch) -> Iterator[threading.Thread]:
+    """``name``, a module whose import takes a second, being imported by another thread:
+    inside the block it is in ``sys.modules``, half-made; it is gone after the block."""
+    if name in sys.modules:
+        pytest.skip(f"{name} is imported in this process: the stand-in cannot take its place")
+    (tmp_path / f"{name}.py").write_text(SLOW_LIBRARY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert "slow_library" not in sys.modules
-    importer = threading.Thread(target=__import__, args=("slow_library",))
+    importer = threading.Thread(target=__import__, args=(name,))
     importer.start()
     deadline = time.monotonic() + 10
-    while "slow_library" not in sys.modules and time.monotonic() < deadline:
+    while name not in sys.modules and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
+        yield importer
+    finally:
+        importer.join()
+        sys.modules.pop(name, None)  # the stand-in must not outlive the test
+
+
+def test_a_module_is_none_until_its_import_ends(tmp_path, monkeypatch):
+    with half_imported("slow_library", tmp_path, monkeypatch) as importer:
         assert "slow_library" in sys.modules  # half-made, yet there
         assert _compat.imported_module("slow_library") is None
         importer.join()
         assert _compat.imported_module("slow_library") is sys.modules["slow_library"]
-    finally:
-        importer.join()
-        sys.modules.pop("slow_library", None)
 
 
 def test_allocators_being_imported_hold_nothing_yet(tmp_path, monkeypatch):
     """CuPy half-imported by another task's thread: no AttributeError from the reading,
     nothing counted; the cache release skips it too."""
-    (tmp_path / "cupy.py").write_text(SLOW_LIBRARY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    if "cupy" in sys.modules:
-        pytest.skip("CuPy is imported in this process: the stand-in cannot take its place")
-    importer = threading.Thread(target=__import__, args=("cupy",))
-    importer.start()
-    deadline = time.monotonic() + 10
-    while "cupy" not in sys.modules and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
+    with half_imported("cupy", tmp_path, monkeypatch):
         assert loaded_allocator_bytes() == AllocatorBytes(0, None)
         guard_module.release_allocator_caches()
-    finally:
-        importer.join()
-        sys.modules.pop("cupy", None)  # the stand-in must not outlive the test
 
 
 def test_a_guard_that_cannot_measure_lets_the_task_run(monkeypatch, caplog):
