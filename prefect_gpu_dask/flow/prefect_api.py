@@ -17,7 +17,6 @@ keeps rising (``RECORD_STALL_S``), ``RECORD_WAIT_S`` at most.
 from __future__ import annotations
 
 import atexit
-import base64
 import logging
 import threading
 import time
@@ -90,18 +89,9 @@ def count_when_done(future: Any) -> None:
     future.wrapped_future.add_done_callback(done)
 
 
-def _headers() -> dict[str, str]:
-    from prefect.settings import get_current_settings
-
-    auth = get_current_settings().api.auth_string
-    if auth is None:
-        return {}
-    token = base64.b64encode(auth.get_secret_value().encode()).decode()
-    return {"Authorization": f"Basic {token}"}
-
-
 def _recorded(client: Any, ids: list[str]) -> int | None:
-    """How many of ``ids`` the server holds as ended (None: it did not answer)."""
+    """How many of ``ids`` the server holds as ended (None: it did not answer; Prefect's
+    client raises for an answer that is not a success)."""
     import httpx
 
     total = 0
@@ -109,8 +99,9 @@ def _recorded(client: Any, ids: list[str]) -> int | None:
         chunk = {"id": {"any_": ids[start : start + IDS_PER_QUERY]}}
         for state in ({"type": {"any_": FINAL_STATE_TYPES}}, {"name": {"any_": ENDED_UNRUN}}):
             try:
-                answer = client.post("/task_runs/count", json={"task_runs": {**chunk, "state": state}})
-                answer.raise_for_status()
+                answer = client.request(
+                    "POST", "/task_runs/count", json={"task_runs": {**chunk, "state": state}}
+                )
                 total += int(answer.json())
             except (httpx.HTTPError, ValueError, TypeError):
                 return None
@@ -121,6 +112,8 @@ def wait_until_recorded(api_url: str, wait_s: float = RECORD_WAIT_S, stall_s: fl
     """Wait until ``api_url`` holds every task run that ran, ended; returns how many it
     still lacks (0: all there)."""
     import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with _lock:
         ids = list(_ran)
@@ -129,7 +122,7 @@ def wait_until_recorded(api_url: str, wait_s: float = RECORD_WAIT_S, stall_s: fl
     started = last_rise = time.monotonic()
     recorded, said = 0, False
     try:
-        with httpx.Client(base_url=api_url, timeout=10.0, headers=_headers()) as client:
+        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
             while True:
                 now_recorded = _recorded(client, ids)
                 now = time.monotonic()
@@ -152,5 +145,7 @@ def wait_until_recorded(api_url: str, wait_s: float = RECORD_WAIT_S, stall_s: fl
                         len(ids) - recorded,
                     )
                 time.sleep(RECORD_POLL_S)
+    except httpx.HTTPError:  # the server is gone
+        return len(ids) - recorded
     except KeyboardInterrupt:  # the user stops waiting: Prefect stops the server next
         return len(ids) - recorded
