@@ -98,7 +98,7 @@ class TaskRecord:
 
     def to_event(self) -> dict[str, Any]:
         """Plain data for ``Worker.log_event`` (msgpack-friendly)."""
-        event = asdict(self)
+        event = dict(vars(self))  # every field is plain already: no deep copy (asdict)
         event["tags"] = list(self.tags)
         event["throttle_reasons"] = list(self.throttle_reasons)
         return event

@@ -95,6 +95,8 @@ def measured(tags: list[str]) -> dict[str, float]:
 
 
 VARIANTS = {"untagged": ([], "gpu"), "gpu": (["gpu"], "gpu"), "gpu, guard off": (["gpu"], "off")}
+if os.environ.get("XP_VARIANTS"):
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["XP_VARIANTS"].split("|")}
 
 
 def variant_flow(tags: list[str], guard: str):
@@ -106,6 +108,8 @@ def variant_flow(tags: list[str], guard: str):
 
 
 if __name__ == "__main__":
+    if os.environ.get("XP_FLOW_SWITCH"):
+        sys.setswitchinterval(float(os.environ["XP_FLOW_SWITCH"]))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     for _ in range(ROUNDS):
         for name, (tags, guard) in VARIANTS.items():

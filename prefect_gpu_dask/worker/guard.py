@@ -83,8 +83,16 @@ def release_allocator_caches() -> None:
     # re-sample only, and its pool size belongs in leak_threshold.
 
 
+_no_cuda_library = False
+
+
 def _create_cuda_context() -> bool:
-    """Create this process's CUDA context, so a task is not blamed for it."""
+    """Create this process's CUDA context, so a task is not blamed for it; False where
+    neither CuPy nor Numba is installed (asked once: each failed import searches the
+    whole ``sys.path``, and a worker with no context asks before every task)."""
+    global _no_cuda_library
+    if _no_cuda_library:
+        return False
     try:
         import cupy
 
@@ -98,6 +106,7 @@ def _create_cuda_context() -> bool:
         cuda.current_context()
         return True
     except ImportError:
+        _no_cuda_library = True
         return False
 
 
