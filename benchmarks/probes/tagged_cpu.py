@@ -7,7 +7,7 @@ default (embedded SQLite server, fresh PREFECT_HOME).
 CPU time above wall time means work in parallel; a variant slower by wall time but not
 by CPU time waits (for a GIL, an answer, the slot) rather than works.
 
-    python benchmarks/probes/tagged_cpu.py [tasks] [rounds]
+    python benchmarks/probes/tagged_cpu.py [tasks] [rounds] [variant|variant...]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ use_readme_default("tagged-cpu")
 
 import statistics  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
 
 import psutil  # noqa: E402
 from prefect import flow, task  # noqa: E402
@@ -95,8 +94,8 @@ def measured(tags: list[str]) -> dict[str, float]:
 
 
 VARIANTS = {"untagged": ([], "gpu"), "gpu": (["gpu"], "gpu"), "gpu, guard off": (["gpu"], "off")}
-if os.environ.get("XP_VARIANTS"):
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["XP_VARIANTS"].split("|")}
+if len(sys.argv) > 3:
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in sys.argv[3].split("|")}
 
 
 def variant_flow(tags: list[str], guard: str):
@@ -108,8 +107,6 @@ def variant_flow(tags: list[str], guard: str):
 
 
 if __name__ == "__main__":
-    if os.environ.get("XP_FLOW_SWITCH"):
-        sys.setswitchinterval(float(os.environ["XP_FLOW_SWITCH"]))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     for _ in range(ROUNDS):
         for name, (tags, guard) in VARIANTS.items():

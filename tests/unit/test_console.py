@@ -114,7 +114,8 @@ def test_the_thread_that_logs_makes_no_write():
     logger.handlers[0].flush()
 
     assert stream.writers == {"console"}
-    assert [line.rsplit(" ", 1)[-1] for line in stream.getvalue().splitlines()] == [str(i) for i in range(100)]
+    numbers = [line.rsplit(" ", 1)[-1] for line in stream.getvalue().splitlines()]
+    assert numbers == [str(i) for i in range(100)]
 
 
 class SlowFile:
