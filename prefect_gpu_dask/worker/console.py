@@ -9,98 +9,17 @@ format, level and filters, for a fraction of the time
 (``benchmarks/probes/console_lines.py``). Rich would also expand tabs and ``:emoji:``
 codes and drop control characters; the plain handler writes them as they are. A
 terminal keeps Prefect's handler and its colours.
-
-The plain handler formats each line on the thread that logs it and writes it from a
-thread of its own: a write is a system call, and the task run's thread, returning from
-it, would wait for the GIL behind the worker's other threads while it holds its slot.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing.util
-import os
-import queue
-import threading
-import weakref
 from collections.abc import Iterable
 from typing import IO, Any
 
-# How long flushing waits for the writer thread (at exit: the lines still queued).
-FLUSH_TIMEOUT_S = 5.0
-
 
 class PlainConsoleHandler(logging.StreamHandler):
-    """Writes what the Prefect console handler it stands in for would, without rich:
-    formatted where it is logged, written in order by a daemon thread ("console")."""
-
-    def __init__(self, stream: IO[str] | None = None):
-        super().__init__(stream)
-        self._lines: queue.SimpleQueue[str | threading.Event] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        # A process forked from this one (a task's own multiprocessing) has no writer.
-        handler = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (h := handler()) is not None and h._forget_writer())
-
-    def _forget_writer(self) -> None:
-        self._lines = queue.SimpleQueue()  # the parent's lines are the parent's to write
-        self._writer = None
-        self._start_lock = threading.Lock()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            line = self.format(record) + self.terminator
-        except Exception:
-            self.handleError(record)
-            return
-        self._lines.put(line)
-        if self._writer is None:
-            self._start_writer()
-
-    def flush(self) -> None:
-        """Return once every line logged before has been written (or after a while)."""
-        if self._writer is None or not self._writer.is_alive():
-            return
-        written = threading.Event()
-        self._lines.put(written)
-        written.wait(FLUSH_TIMEOUT_S)
-
-    def _start_writer(self) -> None:
-        with self._start_lock:
-            if self._writer is not None:
-                return
-            self._writer = threading.Thread(target=self._write, name="console", daemon=True)
-            self._writer.start()
-        # A worker process ends through multiprocessing, which runs no atexit hooks
-        # (logging's flush among them) but its own finalizers.
-        multiprocessing.util.Finalize(self, self.flush, exitpriority=0)
-
-    def _write(self) -> None:
-        while True:
-            text: list[str] = []
-            item = self._lines.get()
-            while True:  # what was queued meanwhile goes in the same write
-                if isinstance(item, threading.Event):
-                    self._write_out(text)
-                    text = []
-                    item.set()
-                else:
-                    text.append(item)
-                try:
-                    item = self._lines.get_nowait()
-                except queue.Empty:
-                    break
-            self._write_out(text)
-
-    def _write_out(self, text: list[str]) -> None:
-        if not text:
-            return
-        try:
-            self.stream.write("".join(text))
-            super().flush()
-        except Exception:  # a closed or broken stream: the lines are lost, the worker is not
-            pass
+    """Writes what the Prefect console handler it stands in for would, without rich."""
 
 
 def is_terminal(stream: IO[str] | Any) -> bool:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
-import multiprocessing
 import os
-import threading
-import time
 
 import pytest
 from prefect.logging.formatters import PrefectFormatter
@@ -59,7 +56,6 @@ def test_a_console_no_terminal_shows_gets_the_same_lines_plainly():
     (handler,) = logger.handlers
     assert type(handler) is PlainConsoleHandler and handler.level == logging.INFO
     emit_lines(logger)
-    handler.flush()
 
     written = plain.getvalue()
     assert "noop-1a2" in written and "RuntimeError: boom" in written and "secret" not in written
@@ -89,88 +85,3 @@ def test_a_terminal_keeps_prefects_handler():
     os.close(leader)
     assert not is_terminal(terminal)  # closed
     assert not is_terminal(object())
-
-
-class WritingThreads(io.StringIO):
-    """A stream that remembers which threads wrote to it, and writes slowly."""
-
-    def __init__(self, delay_s: float = 0.0):
-        super().__init__()
-        self.delay_s = delay_s
-        self.writers: set[str] = set()
-
-    def write(self, text: str) -> int:
-        self.writers.add(threading.current_thread().name)
-        time.sleep(self.delay_s)
-        return super().write(text)
-
-
-def test_the_thread_that_logs_makes_no_write():
-    stream = WritingThreads()
-    logger = prefect_console(stream, "test-console.plain")
-    assert write_plainly_where_unseen([logger]) == 1
-    for i in range(100):
-        logger.info("line %d", i, extra={"task_run_name": "noop-1a2"})
-    logger.handlers[0].flush()
-
-    assert stream.writers == {"console"}
-    numbers = [line.rsplit(" ", 1)[-1] for line in stream.getvalue().splitlines()]
-    assert numbers == [str(i) for i in range(100)]
-
-
-class SlowFile:
-    """A file whose every write takes a while."""
-
-    def __init__(self, path: str, delay_s: float):
-        self.file = open(path, "w")  # noqa: SIM115  (closed with the process)
-        self.delay_s = delay_s
-
-    def write(self, text: str) -> int:
-        time.sleep(self.delay_s)
-        return self.file.write(text)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def log_then_exit(path: str, lines: int) -> None:
-    logger = logging.getLogger("test-console.exit")
-    logger.handlers[:] = [PlainConsoleHandler(SlowFile(path, delay_s=0.2))]
-    logger.propagate = False
-    for i in range(lines):
-        logger.warning("line %d", i)
-
-
-def test_a_worker_process_writes_its_last_lines_before_it_ends(tmp_path):
-    """A worker process ends through multiprocessing, which skips atexit hooks."""
-    path = tmp_path / "console.txt"
-    child = multiprocessing.get_context("fork").Process(target=log_then_exit, args=(str(path), 500))
-    child.start()
-    child.join(30)
-
-    assert child.exitcode == 0
-    assert path.read_text().splitlines() == [f"line {i}" for i in range(500)]
-
-
-def log_in_a_child(path: str) -> None:
-    logger = logging.getLogger("test-console.fork")
-    logger.handlers[0].stream = open(path, "w")  # noqa: SIM115  (closed with the process)
-    logger.warning("from the child")
-
-
-def test_a_process_forked_from_a_worker_writes_its_own_lines(tmp_path):
-    stream = WritingThreads()
-    logger = logging.getLogger("test-console.fork")
-    logger.handlers[:] = [PlainConsoleHandler(stream)]
-    logger.propagate = False
-    logger.warning("from the parent")  # its writer thread runs
-    logger.handlers[0].flush()
-    path = tmp_path / "child.txt"
-
-    child = multiprocessing.get_context("fork").Process(target=log_in_a_child, args=(str(path),))
-    child.start()
-    child.join(30)
-
-    assert child.exitcode == 0
-    assert path.read_text() == "from the child\n"
-    logger.handlers.clear()
