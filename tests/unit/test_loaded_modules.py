@@ -89,3 +89,33 @@ def test_a_guard_that_cannot_measure_lets_the_task_run(monkeypatch, caplog):
     assert "could not measure a task" in caplog.text
     with pytest.raises(ValueError, match="the task's own"), guard_module.guarding():
         raise ValueError("the task's own")
+
+
+class CountingFinder:
+    """A ``sys.meta_path`` entry that counts the imports asked for, and finds nothing."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.asked: list[str] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.names:
+            self.asked.append(name)
+        return None
+
+
+def test_a_worker_without_cuda_libraries_looks_for_them_once(monkeypatch):
+    """Each failed import searches the whole ``sys.path``; a CPU worker's guard finds no
+    CUDA context before every task, and must not search again each time."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") or importlib.util.find_spec("numba"):
+        pytest.skip("CuPy or Numba is installed here")
+    finder = CountingFinder(("cupy", "numba"))
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    monkeypatch.setattr(guard_module, "_no_cuda_library", False)
+
+    assert guard_module._create_cuda_context() is False
+    assert guard_module._create_cuda_context() is False
+
+    assert finder.asked == ["cupy", "numba"]
