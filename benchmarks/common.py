@@ -56,17 +56,19 @@ class ServerLog:
         return {text: log.count(text) for text in texts}
 
 
-def one_gpu_slot_runner():
-    """The default runner on its own cluster; on CPU one worker offering ``GPU=1`` with 8
-    threads stands in for a one-GPU host's worker, its guard reading the scripted probe."""
+def one_gpu_slot_runner(**runner_kwargs):
+    """The default runner on its own cluster (with ``runner_kwargs``, such as ``guard``);
+    on CPU one worker offering ``GPU=1`` with 8 threads stands in for a one-GPU host's
+    worker, its guard reading the scripted probe."""
     from prefect_gpu_dask import GPUDaskTaskRunner, gpu_available
 
     if gpu_available():
-        return GPUDaskTaskRunner(host_cluster=False)
+        return GPUDaskTaskRunner(host_cluster=False, **runner_kwargs)
     return GPUDaskTaskRunner(
         host_cluster=False,
         memory_probe="benchmarks.recycle_soak:scripted_gpu_probe",
         cluster_kwargs={"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
+        **runner_kwargs,
     )
 
 

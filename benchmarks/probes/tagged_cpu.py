@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import WARM_TASKS, use_readme_default  # noqa: E402
+from benchmarks.common import WARM_TASKS, one_gpu_slot_runner, use_readme_default  # noqa: E402
 
 use_readme_default("tagged-cpu")
 
@@ -26,8 +26,6 @@ import time  # noqa: E402
 import psutil  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from prefect.context import FlowRunContext  # noqa: E402
-
-from prefect_gpu_dask import GPUDaskTaskRunner, gpu_available  # noqa: E402
 
 TASKS = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -41,17 +39,6 @@ def noop(i: int) -> int:
 def process_cpu_s() -> float:
     times = psutil.Process().cpu_times()
     return times.user + times.system
-
-
-def runner(guard: str) -> GPUDaskTaskRunner:
-    if gpu_available():
-        return GPUDaskTaskRunner(host_cluster=False, guard=guard)
-    return GPUDaskTaskRunner(
-        host_cluster=False,
-        guard=guard,
-        memory_probe="benchmarks.recycle_soak:scripted_gpu_probe",
-        cluster_kwargs={"n_workers": 1, "threads_per_worker": 8, "resources": {"GPU": 1}},
-    )
 
 
 def api_server() -> psutil.Process | None:
@@ -99,7 +86,7 @@ if len(sys.argv) > 3:
 
 
 def variant_flow(tags: list[str], guard: str):
-    @flow(task_runner=runner(guard))
+    @flow(task_runner=one_gpu_slot_runner(guard=guard))
     def batch() -> dict[str, float]:
         return measured(tags)
 
