@@ -1,7 +1,8 @@
 """What a flow run did to its GPUs, read back from the Prefect API once it is over.
 
 The records come from the table artifacts the runner publishes (one per task run as
-each task finishes, and the flow-wide table at flow end), so a flow run that crashed
+each task finishes, or one for several that ended together, and the flow-wide table at
+flow end), so a flow run that crashed
 still has the records of every task that finished; the restarts come from the
 ``gpu-restarts`` table the runner publishes before the flow run returns, and from the
 ``prefect-gpu-dask.worker.restarted`` events related to the flow run (which a crashed
@@ -29,6 +30,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect_gpu_dask.flow.reporting import (
+    BATCH_TABLE_DESCRIPTION,
     RESTART_EVENT,
     RESTARTS_KEY,
     TABLE_KEY,
@@ -68,7 +70,8 @@ def _rows(data: Any) -> list[dict[str, Any]]:
 def _records(artifacts: Iterable[Any]) -> tuple[TaskRecord, ...]:
     seen: dict[tuple[Any, ...], TaskRecord] = {}
     for artifact in artifacts:
-        ours = artifact.key == TABLE_KEY or (artifact.description or "").startswith(TASK_TABLE_DESCRIPTION)
+        live = (artifact.description or "").startswith((TASK_TABLE_DESCRIPTION, BATCH_TABLE_DESCRIPTION))
+        ours = artifact.key == TABLE_KEY or live
         if not ours:  # the API filter already asked for tables
             continue
         for row in _rows(artifact.data):
@@ -76,7 +79,7 @@ def _records(artifacts: Iterable[Any]) -> tuple[TaskRecord, ...]:
                 record = TaskRecord.from_row(row)
             except (TypeError, ValueError, KeyError):
                 continue  # a table of an older release, or someone else's under our key
-            # The flow-end table repeats what the per-task tables said.
+            # The flow-end table repeats what the live tables said.
             seen[(record.task_run_id, record.pid, record.time)] = record
     return tuple(sorted(seen.values(), key=lambda r: r.time))
 

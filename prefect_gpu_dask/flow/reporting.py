@@ -3,7 +3,8 @@
 Each guarded task's record becomes a table artifact on its own task run as soon as the
 flow hears of it (``LivePublisher``), so a flow that runs for hours, or dies, still
 shows what every finished task did to its GPU; the flow-wide table and summary come
-when the flow ends.
+when the flow ends. Records that arrive faster than the API takes artifacts (hundreds
+of short task runs) are written together, as one table on the flow run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prefect_gpu_dask.flow import chart, sizing
 from prefect_gpu_dask.records import (
     BYTE_FIELDS,
     LEAK,
+    OOM,
     VERDICTS,
     GPUQuarantine,
     HungTask,
@@ -72,6 +74,11 @@ TABLE_COLUMNS = (
     "flow_name",
 )
 TASK_TABLE_DESCRIPTION = "GPU memory of this task run"
+BATCH_TABLE_DESCRIPTION = "GPU memory of task runs that ended together"
+# Up to this many records waiting for the publisher still get a table each on their task
+# runs; more than that, and the publisher is behind: they go out as one table.
+ONE_BY_ONE_UP_TO = 4
+MAX_BATCH = 1000  # rows in one batch table
 
 
 Described = TaskRecord | RestartRecord | GPUQuarantine | HungTask
@@ -153,7 +160,11 @@ class LivePublisher:
     and each quarantined GPU as an event, in the background.
 
     Built in the flow's thread (whose context reaches the flow's API); records arrive
-    on Dask's event loop, which must not wait for the API.
+    on Dask's event loop, which must not wait for the API. The embedded server takes an
+    artifact as a transaction of its own, in milliseconds: when more than
+    ``ONE_BY_ONE_UP_TO`` records wait, the clean ones go out as one table on the flow
+    run, so the backlog, and the flow run's end that waits for it, stays short. A leak or
+    an OOM always gets its own table on its task run.
     """
 
     def __init__(self, logger: logging.Logger):
@@ -188,32 +199,72 @@ class LivePublisher:
         self._records.put(None)
         self._thread.join(timeout)
 
+    def _waiting(self) -> tuple[list[TaskRecord | GPUQuarantine], bool]:
+        """The next item and all queued behind it; whether the end was among them."""
+        items = [self._records.get()]
+        while len(items) < MAX_BATCH:
+            try:
+                items.append(self._records.get_nowait())
+            except queue.Empty:
+                break
+        ended = None in items
+        return [item for item in items if item is not None], ended
+
     def _run(self) -> None:
+        ended = False
+        while not ended:
+            items, ended = self._waiting()
+            records = [item for item in items if isinstance(item, TaskRecord)]
+            for quarantine in (item for item in items if isinstance(item, GPUQuarantine)):
+                try:
+                    emit_unhealthy_event(quarantine)
+                except Exception as exc:
+                    self.logger.warning("Could not emit the event of %s: %s", quarantine.describe(), exc)
+            for leak in (record for record in records if record.verdict == LEAK):
+                try:
+                    emit_leak_event(leak)
+                except Exception as exc:
+                    self.logger.warning("Could not emit the leak event of %s: %s", leak.task_run_name, exc)
+            self._tables([record for record in records if record.task_run_id is not None])
+
+    def _tables(self, records: list[TaskRecord]) -> None:
+        alone, together = split_for_tables(records)
+        for record in alone:
+            self._table([record], f"{TASK_TABLE_DESCRIPTION}: {record.verdict}", record)
+        per_flow_run: dict[str | None, list[TaskRecord]] = defaultdict(list)
+        for record in together:
+            per_flow_run[record.flow_run_id].append(record)
+        for batch in per_flow_run.values():
+            self._table(batch, BATCH_TABLE_DESCRIPTION, batch[0], on_task_run=False)
+
+    def _table(
+        self, records: list[TaskRecord], description: str, first: TaskRecord, on_task_run: bool = True
+    ) -> None:
         from prefect.artifacts import TableArtifact
 
-        while (record := self._records.get()) is not None:
-            if isinstance(record, GPUQuarantine):
-                try:
-                    emit_unhealthy_event(record)
-                except Exception as exc:
-                    self.logger.warning("Could not emit the event of %s: %s", record.describe(), exc)
-                continue
-            if record.verdict == LEAK:
-                try:
-                    emit_leak_event(record)
-                except Exception as exc:
-                    self.logger.warning("Could not emit the leak event of %s: %s", record.task_run_name, exc)
-            if record.task_run_id is None:
-                continue
-            try:
-                TableArtifact(
-                    table=table_rows([record]),
-                    description=f"{TASK_TABLE_DESCRIPTION}: {record.verdict} (prefect-gpu-dask)",
-                    task_run_id=record.task_run_id,
-                    flow_run_id=record.flow_run_id,
-                ).create(_sync=True)  # this thread runs in an async flow's context too
-            except Exception as exc:  # the flow-end table still has it
-                self.logger.debug("Could not publish the record of %s: %s", record.task_run_name, exc)
+        try:
+            TableArtifact(
+                table=table_rows(records),
+                description=f"{description} (prefect-gpu-dask)",
+                task_run_id=first.task_run_id if on_task_run else None,
+                flow_run_id=first.flow_run_id,
+            ).create(_sync=True)  # this thread runs in an async flow's context too
+        except Exception as exc:  # the flow-end table still has them
+            names = ", ".join(record.task_run_name for record in records[:3])
+            self.logger.debug("Could not publish the records of %s (%d): %s", names, len(records), exc)
+
+
+def needs_a_look(record: TaskRecord) -> bool:
+    """A record that keeps its own table on its task run, however busy the publisher."""
+    return record.verdict in (LEAK, OOM) or record.restart_reason is not None
+
+
+def split_for_tables(records: Sequence[TaskRecord]) -> tuple[list[TaskRecord], list[TaskRecord]]:
+    """The records waiting to be published: those that get a table each on their task
+    run, and those that go out together as one table on the flow run."""
+    if len(records) <= ONE_BY_ONE_UP_TO:
+        return list(records), []
+    return [r for r in records if needs_a_look(r)], [r for r in records if not needs_a_look(r)]
 
 
 def summary_markdown(

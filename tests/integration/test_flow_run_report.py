@@ -13,15 +13,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from uuid import UUID
 
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterTaskRunId
+from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import GPUDaskTaskRunner, read_flow_run_gpu_report
+from prefect_gpu_dask.flow import reporting
 from prefect_gpu_dask.flow.reporting import SUMMARY_KEY, TABLE_KEY
 from tests.scripted_probe import FAKE_PROBE
-from tests.ui_helpers import LEAK_BYTES, clean, start_guarded_cluster
+from tests.ui_helpers import LEAK_BYTES, clean, leaky, start_guarded_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLDING_FLOW = """
@@ -146,3 +149,50 @@ def test_an_async_flow_publishes_each_record_on_its_task_run(dask_processes):
             time.sleep(0.25)
     [artifact] = found
     assert artifact.type == "table" and artifact.description.startswith("GPU memory of this task run")
+
+
+def test_records_that_arrive_together_are_published_together_and_whole(dask_processes, monkeypatch):
+    """A backlog of records (here: the publisher held on its first table until all the
+    others wait) goes out as one table on the flow run, while a leak keeps its own on its
+    task run; the live tables hold every record once, so a flow that dies later still
+    shows them."""
+    address = start_guarded_cluster(dask_processes)
+    flood = 3 * reporting.ONE_BY_ONE_UP_TO
+    publish = reporting.LivePublisher._table
+    held = []
+
+    def once_all_wait(self, *args, **kwargs):
+        deadline = time.monotonic() + 120
+        while not held and self._records.qsize() < flood + 1:  # the leak and the flood
+            assert time.monotonic() < deadline, self._records.qsize()
+            time.sleep(0.05)
+        held.append(args[0])
+        publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(reporting.LivePublisher, "_table", once_all_wait)
+
+    @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
+    def night() -> tuple[str, str]:
+        first = clean.submit(-1)
+        first.wait()
+        leaked = leaky.submit(LEAK_BYTES)
+        assert [f.result() for f in clean.map(range(flood))] == list(range(flood))
+        leaked.wait()
+        return str(FlowRunContext.get().flow_run.id), str(leaked.task_run_id)
+
+    flow_run_id, leak_task_run_id = night()
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)]))
+        )
+    live = [a for a in artifacts if a.key is None]
+    on_task_runs = sorted(str(a.task_run_id) for a in live if a.task_run_id is not None)
+    [batch] = [a for a in live if a.description.startswith(reporting.BATCH_TABLE_DESCRIPTION)]
+    rows = json.loads(batch.data) if isinstance(batch.data, str) else batch.data
+
+    assert batch.task_run_id is None and len(live) == 3, [a.description for a in live]
+    assert sorted(row["task_run_name"] for row in rows) == sorted(f"clean-{i}" for i in range(flood))
+    assert leak_task_run_id in on_task_runs and len(on_task_runs) == 2  # the leak, and clean--1
+    report = read_flow_run_gpu_report(flow_run_id)
+    assert len(report.records) == flood + 2 and len(report.leaks) == 1
