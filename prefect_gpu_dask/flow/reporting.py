@@ -13,6 +13,7 @@ import contextvars
 import logging
 import queue
 import threading
+import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -75,9 +76,10 @@ TABLE_COLUMNS = (
 )
 TASK_TABLE_DESCRIPTION = "GPU memory of this task run"
 BATCH_TABLE_DESCRIPTION = "GPU memory of task runs that ended together"
-# Up to this many records waiting for the publisher still get a table each on their task
-# runs; more than that, and the publisher is behind: they go out as one table.
+# Up to this many records gathered together still get a table each on their task runs;
+# more than that, and task runs end faster than the API takes artifacts one by one.
 ONE_BY_ONE_UP_TO = 4
+GATHER_S = 0.25  # how long the publisher gathers records after the first it takes
 MAX_BATCH = 1000  # rows in one batch table
 
 
@@ -161,10 +163,12 @@ class LivePublisher:
 
     Built in the flow's thread (whose context reaches the flow's API); records arrive
     on Dask's event loop, which must not wait for the API. The embedded server takes an
-    artifact as a transaction of its own, in milliseconds: when more than
-    ``ONE_BY_ONE_UP_TO`` records wait, the clean ones go out as one table on the flow
-    run, so the backlog, and the flow run's end that waits for it, stays short. A leak or
-    an OOM always gets its own table on its task run.
+    artifact as a transaction of its own, in milliseconds, beside the task runs' own
+    writes: when more than ``ONE_BY_ONE_UP_TO`` records come within ``GATHER_S`` (or
+    wait), the clean ones go out as one table on the flow run, so a stream of short task
+    runs costs the server a few writes a second, and the flow run's end, which waits for
+    the backlog, stays short. A leak, an OOM or a restart keeps its own table on its
+    task run.
     """
 
     def __init__(self, logger: logging.Logger):
@@ -199,21 +203,23 @@ class LivePublisher:
         self._records.put(None)
         self._thread.join(timeout)
 
-    def _waiting(self) -> tuple[list[TaskRecord | GPUQuarantine], bool]:
-        """The next item and all queued behind it; whether the end was among them."""
+    def _gathered(self) -> tuple[list[TaskRecord | GPUQuarantine], bool]:
+        """The next item and those that come within ``GATHER_S`` of it (all that wait,
+        when the publisher is behind); whether the end was among them."""
         items = [self._records.get()]
-        while len(items) < MAX_BATCH:
+        until = time.monotonic() + GATHER_S
+        while items[-1] is not None and len(items) < MAX_BATCH:
             try:
-                items.append(self._records.get_nowait())
+                items.append(self._records.get(timeout=max(0.0, until - time.monotonic())))
             except queue.Empty:
                 break
-        ended = None in items
+        ended = items[-1] is None
         return [item for item in items if item is not None], ended
 
     def _run(self) -> None:
         ended = False
         while not ended:
-            items, ended = self._waiting()
+            items, ended = self._gathered()
             records = [item for item in items if isinstance(item, TaskRecord)]
             for quarantine in (item for item in items if isinstance(item, GPUQuarantine)):
                 try:
