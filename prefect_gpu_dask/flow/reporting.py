@@ -1,10 +1,10 @@
 """What the Prefect UI shows: table and markdown artifacts, and events for automations.
 
-Each guarded task's record becomes a table artifact on its own task run as soon as the
-flow hears of it (``LivePublisher``), so a flow that runs for hours, or dies, still
-shows what every finished task did to its GPU; the flow-wide table and summary come
-when the flow ends. Records that arrive faster than the API takes artifacts (hundreds
-of short task runs) are written together, as one table on the flow run.
+Each guarded task's record becomes a table artifact on its own task run within moments
+of the flow hearing of it (``LivePublisher``), so a flow that runs for hours, or dies,
+still shows what every finished task did to its GPU; records of task runs that end close
+together (hundreds of short ones) go out as one table on the flow run instead. The
+flow-wide table and summary come when the flow ends.
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ TABLE_COLUMNS = (
 )
 TASK_TABLE_DESCRIPTION = "GPU memory of this task run"
 BATCH_TABLE_DESCRIPTION = "GPU memory of task runs that ended together"
-# Up to this many records gathered together still get a table each on their task runs;
-# more than that, and task runs end faster than the API takes artifacts one by one.
+# Up to this many clean records gathered together still get a table each on their task
+# runs; more than that, and task runs end faster than the API takes artifacts one by one.
 ONE_BY_ONE_UP_TO = 4
 GATHER_S = 0.25  # how long the publisher gathers records after the first it takes
-MAX_BATCH = 1000  # rows in one batch table
+MOST_GATHERED = 200  # items taken at once: a table that fails to be written loses no more
 
 
 Described = TaskRecord | RestartRecord | GPUQuarantine | HungTask
@@ -158,17 +158,18 @@ def table_rows(records: Sequence[TaskRecord]) -> list[dict[str, Any]]:
 
 
 class LivePublisher:
-    """Publishes each record as a table artifact on its task run, a leak as an event,
-    and each quarantined GPU as an event, in the background.
+    """Publishes the records as table artifacts (on their task runs, or several together
+    on the flow run), a leak as an event, and each quarantined GPU as an event, in the
+    background.
 
     Built in the flow's thread (whose context reaches the flow's API); records arrive
     on Dask's event loop, which must not wait for the API. The embedded server takes an
     artifact as a transaction of its own, in milliseconds, beside the task runs' own
-    writes: when more than ``ONE_BY_ONE_UP_TO`` records come within ``GATHER_S`` (or
-    wait), the clean ones go out as one table on the flow run, so a stream of short task
-    runs costs the server a few writes a second, and the flow run's end, which waits for
-    the backlog, stays short. A leak, an OOM or a restart keeps its own table on its
-    task run.
+    writes: when more than ``ONE_BY_ONE_UP_TO`` clean records come within ``GATHER_S``
+    (or wait), they go out as one table on the flow run, so however many task runs end,
+    the server takes at most that many tables per ``GATHER_S``, and the flow run's end,
+    which waits for the backlog, stays short. A leak, an OOM or a restart keeps its own
+    table on its task run.
     """
 
     def __init__(self, logger: logging.Logger):
@@ -208,7 +209,7 @@ class LivePublisher:
         when the publisher is behind); whether the end was among them."""
         items = [self._records.get()]
         until = time.monotonic() + GATHER_S
-        while items[-1] is not None and len(items) < MAX_BATCH:
+        while items[-1] is not None and len(items) < MOST_GATHERED:
             try:
                 items.append(self._records.get(timeout=max(0.0, until - time.monotonic())))
             except queue.Empty:
@@ -256,7 +257,7 @@ class LivePublisher:
                 flow_run_id=first.flow_run_id,
             ).create(_sync=True)  # this thread runs in an async flow's context too
         except Exception as exc:  # the flow-end table still has them
-            names = ", ".join(record.task_run_name for record in records[:3])
+            names = ", ".join(str(record.task_run_name) for record in records[:3])
             self.logger.debug("Could not publish the records of %s (%d): %s", names, len(records), exc)
 
 
@@ -266,11 +267,12 @@ def needs_a_look(record: TaskRecord) -> bool:
 
 
 def split_for_tables(records: Sequence[TaskRecord]) -> tuple[list[TaskRecord], list[TaskRecord]]:
-    """The records waiting to be published: those that get a table each on their task
+    """The records gathered for publishing: those that get a table each on their task
     run, and those that go out together as one table on the flow run."""
-    if len(records) <= ONE_BY_ONE_UP_TO:
+    clean = [r for r in records if not needs_a_look(r)]
+    if len(clean) <= ONE_BY_ONE_UP_TO:
         return list(records), []
-    return [r for r in records if needs_a_look(r)], [r for r in records if not needs_a_look(r)]
+    return [r for r in records if needs_a_look(r)], clean
 
 
 def summary_markdown(

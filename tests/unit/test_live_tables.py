@@ -20,7 +20,7 @@ def test_a_few_waiting_records_each_get_a_table_on_their_task_run():
 
 def test_a_backlog_goes_out_together_but_a_leak_an_oom_and_a_restart_keep_their_own():
     clean = [record(f"etl{i}", 0) for i in range(ONE_BY_ONE_UP_TO + 3)]
-    leak = record("leaky", 0, verdict="leak", restart_reason="leaked 1.00 GiB")
+    leak = record("leaky", 0, verdict="leak")  # recycling off: no restart
     oom = record("big", 0, verdict="oom")
     restarted = record("hung", 0, verdict="cached", restart_reason="stalled")
     waiting = [clean[0], leak, *clean[1:4], oom, *clean[4:], restarted]
@@ -42,24 +42,51 @@ class Tables(LivePublisher):
         self.written.append(([r.task_run_name for r in records], on_task_run))
 
 
-def test_records_that_come_close_together_go_out_together_and_a_lone_one_alone(monkeypatch):
-    monkeypatch.setattr(reporting, "GATHER_S", 5.0)  # however slow this machine is
+def test_four_clean_records_beside_a_leak_still_get_a_table_each():
+    clean = [record(f"etl{i}", 0) for i in range(ONE_BY_ONE_UP_TO)]
+    leak = record("leaky", 0, verdict="leak")
+
+    assert split_for_tables([leak, *clean]) == ([leak, *clean], [])
+
+
+def published_within(publisher: Tables, timeout: float = 30) -> list[tuple[list[str], bool]]:
+    deadline = time.monotonic() + timeout
+    while not publisher.written:
+        assert time.monotonic() < deadline, "nothing was published"
+        time.sleep(0.01)
+    return publisher.written
+
+
+def test_records_that_come_close_together_go_out_together(monkeypatch):
+    monkeypatch.setattr(reporting, "GATHER_S", 3.0)  # longer than the gaps, on any machine
     publisher = Tables()
     burst = [record(f"etl{i}", 0) for i in range(ONE_BY_ONE_UP_TO + 2)]
-    for r in burst:
+    for r in burst:  # one at a time: the publisher has taken the first before the rest come
         publisher.publish(r)
-    publisher.close(timeout=30)  # ends the gathering: the burst goes out at once
+        time.sleep(0.05)
 
-    assert publisher.written == [([r.task_run_name for r in burst], False)]
+    assert published_within(publisher) == [([r.task_run_name for r in burst], False)]
+    publisher.close(timeout=30)
 
-    monkeypatch.setattr(reporting, "GATHER_S", 0.0)
+
+def test_a_lone_record_goes_out_alone_once_the_gathering_ends(monkeypatch):
+    monkeypatch.setattr(reporting, "GATHER_S", 0.2)
     publisher = Tables()
     lone = record("svd", 0)
     publisher.publish(lone)
-    deadline = time.monotonic() + 30
-    while not publisher.written:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+
+    assert published_within(publisher) == [([lone.task_run_name], True)]  # not held until close
     publisher.close(timeout=30)
 
-    assert publisher.written == [([lone.task_run_name], True)]
+
+def test_the_end_cuts_the_gathering_short_and_publishes_what_came(monkeypatch):
+    monkeypatch.setattr(reporting, "GATHER_S", 600.0)
+    publisher = Tables()
+    records = [record("svd", 0), record("etl", 0, flow_run_id=None, task_run_id=None)]
+    for r in records:
+        publisher.publish(r)
+    started = time.monotonic()
+    publisher.close(timeout=30)
+
+    assert time.monotonic() - started < 10
+    assert publisher.written == [(["svd-0"], True)]  # a record without a task run has no table
