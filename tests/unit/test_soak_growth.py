@@ -61,3 +61,13 @@ def test_a_few_open_files_caught_in_passing_are_not_growth_but_a_leak_per_run_is
     leaking = samples([150, 150, 150, 150, 150])
     leaking[0].fds, leaking[-1].fds = 64, 84
     assert growth(leaking, warmup=0, limit=0.1, rss_limit=0.1)["exceeded"] == ["fds"]
+
+
+def test_artifact_rows_vary_with_timing_but_may_not_outnumber_the_task_runs():
+    # Live tables: one per task run, or one for several that ended together; 3 at the end.
+    varying = samples([150, 150, 150, 150, 150])
+    for sample, artifacts in zip(varying, (8.4, 3.4, 4.9, 4.3, 6.25)):
+        sample.rows_per_run = {"task_run": 6.2, "artifact": artifacts}
+    assert growth(varying, warmup=50, limit=0.1, rss_limit=0.1)["exceeded"] == []
+    varying[-1].rows_per_run = {"task_run": 6.2, "artifact": 12.4}  # two tables a task run
+    assert growth(varying, warmup=50, limit=0.1, rss_limit=0.1)["exceeded"] == ["rows_per_run.artifact"]
