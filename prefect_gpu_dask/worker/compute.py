@@ -13,12 +13,10 @@ threads scheduler. Otherwise, a graph that splits into independent pieces (maps,
 reductions: each task's inputs come from one group of roots) runs as one
 threads-scheduler call per GPU worker (this worker's share, if it is one, in the
 calling thread), and only the few tasks that join the pieces run here
-(``docs/performance.md`` has the figures). The calling thread's share starts at once and
-is read without a round trip, so it takes a few roots more: as many as the remote shares'
-lag was worth when a graph of the same shape last ran here. Graphs that do not split
-(shuffles, inputs already held by the cluster) go to the distributed scheduler unchanged.
-Pieces run on the threads scheduler, so Dask annotations on the collection (resources,
-retries) apply only on that last path.
+(``docs/performance.md`` has the figures). Graphs that do not split (shuffles, inputs already held by the
+cluster) go to the distributed scheduler unchanged. Pieces run on the threads
+scheduler, so Dask annotations on the collection (resources, retries) apply only on
+that last path.
 """
 
 from __future__ import annotations
@@ -27,14 +25,12 @@ import asyncio
 import contextlib
 import graphlib
 import time
-from collections import OrderedDict
 from collections.abc import Hashable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import dask
 import distributed
 from dask.sizeof import sizeof
-from dask.utils import key_split
 from distributed.protocol import pickle
 
 from prefect_gpu_dask import _compat
@@ -46,12 +42,6 @@ TASKS_BASED = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tas
 # Split only when the joining tasks are at most this share of the graph.
 MAX_JOIN_SHARE = 0.25
 PICKLE_RESULTS_UP_TO = 16 * 2**20
-# The calling thread's share starts at once; a remote share starts after its trip out
-# and is read after its trip back. The calling share takes that lag's worth of roots
-# more, learned from when the shares of the last call of the same shape ended.
-LEARNING_RATE = 0.5
-SHAPES_KEPT = 64
-_leads: OrderedDict[Hashable, float] = OrderedDict()
 
 
 def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -100,12 +90,11 @@ def _split_compute(
     if not unpacked:
         return collections
     graph, keys = _compat.finalized_graph(unpacked)
-    own_part = workers.index(me) if me in workers else None
-    shape = _shape_of(graph, workers)
-    split = split_graph(graph, keys, len(workers), own_part, _leads.get(shape, 0.0))
-    if split is None:
+    plan = split_graph(graph, keys, len(workers))
+    if plan is None:
         return None
-    shares = dict(zip(workers, split.parts, strict=True))
+    parts, join = plan
+    shares = dict(zip(workers, parts, strict=True))
     own = shares.pop(me, None)
     sent_before = _compat.bytes_sent(client.scheduler_comm)
     remote = [
@@ -128,58 +117,20 @@ def _split_compute(
             if remote and sent_before is not None:
                 with contextlib.suppress(Exception):  # only a head start for the others
                     client.sync(_sent, client.scheduler_comm, sent_before, SEND_WAIT_S)
-            started = time.perf_counter()
             part, outputs = own
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
-            own_done_s = time.perf_counter() - started
         for produced in client.gather(remote):
             held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
-        if own is not None and remote:
-            ends = ShareEnds(split.roots[own_part], own_done_s, time.perf_counter() - started)
-            _learn(shape, next_lead(split.lead, ends))
     except BaseException:
         client.cancel(remote)  # no GPU time for shares nobody will read
         raise
     del remote  # the remote copies go now, not when this function returns
-    if split.join:
-        final = {**{k: _compat.data_node(k, v) for k, v in held.items()}, **split.join}
+    if join:
+        final = {**{k: _compat.data_node(k, v) for k, v in held.items()}, **join}
         values = dask.get(final, keys) if keys else []
     else:
         values = [held[k] for k in keys]
     return repack(values)
-
-
-class ShareEnds(NamedTuple):
-    """When one split call's shares ended, in seconds from the calling share's start."""
-
-    own_roots: int
-    own_done_s: float
-    others_done_s: float
-
-
-def next_lead(lead: float, ends: ShareEnds) -> float:
-    """Roots beyond an even share the calling share should take next time.
-
-    The calling share's roots took ``own_done_s / own_roots`` each, and the remote shares
-    were read ``others_done_s - own_done_s`` after it ended: moving ``gap / per_root``
-    more roots here evens the two (each remote share gives up its part of them).
-    """
-    if ends.own_roots <= 0 or ends.own_done_s <= 0:
-        return lead
-    per_root = ends.own_done_s / ends.own_roots
-    return lead + LEARNING_RATE * (ends.others_done_s - ends.own_done_s) / per_root
-
-
-def _shape_of(graph: Mapping[Hashable, Any], workers: list[str]) -> Hashable:
-    roots = [key for key, node in graph.items() if not node.dependencies]
-    return len(workers), len(roots), tuple(sorted({key_split(key) for key in roots}))
-
-
-def _learn(shape: Hashable, lead: float) -> None:
-    _leads[shape] = lead
-    _leads.move_to_end(shape)
-    while len(_leads) > SHAPES_KEPT:
-        _leads.popitem(last=False)
 
 
 SEND_WAIT_S = 0.05
@@ -248,41 +199,25 @@ def _roots_depth_first(
     return order + sorted(unreached, key=_chunk_order)
 
 
-class Split(NamedTuple):
-    """A graph cut into independent parts, and the tasks that join them."""
-
-    parts: list[tuple[dict[Hashable, Any], list[Hashable]]]  # (part's graph, its outputs)
-    join: dict[Hashable, Any]
-    roots: list[int]  # roots per part
-    lead: float  # roots the part ``own_part`` took beyond an even share
-
-
 def split_graph(
-    graph: Mapping[Hashable, Any],
-    keys: list[Hashable],
-    n: int,
-    own_part: int | None = None,
-    lead: float = 0.0,
-) -> Split | None:
+    graph: Mapping[Hashable, Any], keys: list[Hashable], n: int
+) -> tuple[list[tuple[dict[Hashable, Any], list[Hashable]]], dict[Hashable, Any]] | None:
     """Split a task graph into ``n`` independent parts plus the tasks that join them.
 
     Roots are dealt out in contiguous runs of a depth-first order from the outputs (so
-    each part holds whole subtrees), evenly, or with ``lead`` roots more for part
-    ``own_part``; a task belongs to a part when all its inputs do. Returns None when the
-    graph does not split well (too few roots, inputs from outside, a large join).
+    each part holds whole subtrees); a task belongs to a part when all its inputs do. Returns
+    ``([(part_graph, part_outputs), ...], join_graph)``, or None when the graph does
+    not split well (too few roots, inputs from outside, a large join).
     """
     dependencies = {key: set(node.dependencies) for key, node in graph.items()}
     if any(dep not in graph for deps in dependencies.values() for dep in deps):
         return None  # reads data the cluster already holds: leave placement to Dask
     if n == 1:
-        return Split([(dict(graph), list(keys))], {}, [len(graph)], 0.0)
+        return [(dict(graph), list(keys))], {}
     roots = _roots_depth_first(dependencies, keys)
     if len(roots) < 2 * n:
         return None
-    counts, lead = _root_counts(len(roots), n, own_part, lead)
-    group: dict[Hashable, int | None] = {}
-    for part, (start, count) in enumerate(zip(_starts(counts), counts, strict=True)):
-        group.update((root, part) for root in roots[start : start + count])
+    group: dict[Hashable, int | None] = {root: i * n // len(roots) for i, root in enumerate(roots)}
     for key in graphlib.TopologicalSorter(dependencies).static_order():
         if key not in group:
             owners = {group[dep] for dep in dependencies[key]}
@@ -297,22 +232,4 @@ def split_graph(
             parts[g][0][key] = graph[key]
             if key in wanted:
                 parts[g][1].append(key)
-    return Split(parts, join, counts, lead)
-
-
-def _root_counts(roots: int, n: int, own_part: int | None, lead: float) -> tuple[list[int], float]:
-    """Roots per part: even, or ``lead`` more for ``own_part`` (at most an even share
-    more, at most half of one less; every part keeps a root), and the lead kept."""
-    if own_part is None:
-        lead = 0.0
-    lead = min(max(lead, -roots / n / 2), roots / n, roots - n)
-    even = (roots - lead) / n
-    wanted = [even + (lead if part == own_part else 0.0) for part in range(n)]
-    bounds = [round(sum(wanted[: part + 1])) for part in range(n)]
-    counts = [max(1, b - a) for a, b in zip([0, *bounds], bounds, strict=False)]
-    counts[-1] = roots - sum(counts[:-1])
-    return counts, lead
-
-
-def _starts(counts: list[int]) -> list[int]:
-    return [sum(counts[:part]) for part in range(len(counts))]
+    return parts, join

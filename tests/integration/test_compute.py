@@ -17,7 +17,6 @@ from dask.core import flatten
 from distributed import Client, Event, LocalCluster, get_task_stream
 
 from prefect_gpu_dask import compute_on_gpus
-from prefect_gpu_dask.worker import compute
 from prefect_gpu_dask.worker.compute import split_graph
 from prefect_gpu_dask.worker.recycling import drain, resume
 
@@ -34,8 +33,7 @@ def graph_of(*collections):
 
 def test_a_tree_reduction_splits_into_independent_halves():
     graph, keys = graph_of(speed_cube(0))
-    parts, join, roots, _ = split_graph(graph, keys, 2)
-    assert roots == [32, 32]
+    parts, join = split_graph(graph, keys, 2)
     assert len(parts) == 2
     (left, left_out), (right, right_out) = parts
     assert not left.keys() & right.keys()
@@ -51,22 +49,11 @@ def test_shares_are_whole_subtrees_of_the_reduction():
     # 20x20 chunks over 8 workers: cutting in key order splits almost every 4x4 combine
     # (78 joining tasks, 220 partials shipped back); whole subtrees leave 22 and 56.
     graph, keys = graph_of(speed_cube(0, chunk=100))
-    parts, join, *_ = split_graph(graph, keys, 8)
+    parts, join = split_graph(graph, keys, 8)
     assert len(join) <= 24
     assert sum(len(outputs) for _, outputs in parts) <= 64
     sizes = [len(part) for part, _ in parts]
     assert max(sizes) <= 1.05 * min(sizes)  # and the shares stay even
-
-
-def test_a_lead_moves_roots_to_the_calling_share_and_keeps_the_halves_independent():
-    graph, keys = graph_of(speed_cube(0))
-    split = split_graph(graph, keys, 2, own_part=1, lead=6.0)
-    assert split.roots == [29, 35] and split.lead == 6.0
-    roots_in = [sum(not graph[k].dependencies for k in part) for part, _ in split.parts]
-    assert roots_in == split.roots
-    assert len(split.join) <= 4  # the cut is off a subtree's edge by a few roots at most
-    for part, _ in split.parts:
-        assert all(dep in part for node in part.values() for dep in node.dependencies)
 
 
 def test_graphs_that_do_not_split_are_left_to_dask():
@@ -104,10 +91,6 @@ def test_compute_on_gpus_runs_one_piece_per_worker(two_workers):
     pieces = Counter(t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part"))
     # One piece went to the other worker; the caller's own share ran in the calling thread.
     assert len(pieces) == 1 and caller not in pieces and set(pieces.values()) == {1}, pieces
-
-    # The caller learned how far its share should lead for this shape of graph.
-    leads = two_workers.run(lambda: dict(compute._leads), workers=[caller])[caller]
-    assert [shape[:2] for shape in leads] == [(2, 64)], leads
 
     plus, sums = two_workers.submit(array_and_sum, 3, pure=False).result()
     x = da.random.RandomState(3).random((400, 400), chunks=100)
