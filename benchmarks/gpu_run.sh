@@ -16,6 +16,9 @@ if [ -d .whl ]; then  # once per machine, again when the wheels change
       echo "$wheels" > /tmp/site/.wheels
   fi
 fi
+# The image sets PYTHONDONTWRITEBYTECODE: without compiled bytecode every process (each
+# worker start included) would compile its imports again, which a pip install spares users.
+[ -d /tmp/site ] && python3 -m compileall -q -j 0 /tmp/site "$PWD/prefect_gpu_dask" > /dev/null 2>&1
 [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
 if [ -f .pg/postgres.tar.xz ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
   # PostgreSQL packed here by benchmarks/pack_postgres.sh: a library the host lacks comes from

@@ -1,0 +1,41 @@
+"""A flow process's first cluster: its imports, the runner's cluster start
+(``runner.client``: scheduler, workers, plugins) and its first ``gpu`` task, in one
+fresh process on the README's default (run it with a fresh ``PREFECT_HOME``). Run it a
+few times, each a new process:
+
+    for i in 1 2 3; do PREFECT_HOME=$(mktemp -d) python benchmarks/probes/cold_start.py; done
+"""
+
+import time
+
+t0 = time.perf_counter()
+from prefect import flow, task  # noqa: E402
+from prefect.context import FlowRunContext  # noqa: E402
+
+from prefect_gpu_dask import GPUDaskTaskRunner  # noqa: E402
+
+t1 = time.perf_counter()
+
+
+@task(tags=["gpu"])
+def one() -> int:
+    return 1
+
+
+@flow(task_runner=GPUDaskTaskRunner())
+def first_cluster() -> tuple[float, float]:
+    runner = FlowRunContext.get().task_runner
+    start = time.perf_counter()
+    runner.client  # noqa: B018
+    started = time.perf_counter() - start
+    start = time.perf_counter()
+    one.submit().result()
+    return started, time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    started, first_task = first_cluster()
+    print(
+        f"imports {t1 - t0:.3f} s; cluster start (runner.client) {started:.3f} s;"
+        f" first gpu task {first_task:.3f} s"
+    )
