@@ -72,6 +72,17 @@ def one_gpu_slot_runner(**runner_kwargs):
     )
 
 
+def cluster_start_and_first_task(runner: Any, first_task: Any) -> tuple[float, float]:
+    """Inside a flow run: seconds for the runner's cluster (``runner.client``), then for
+    ``first_task`` submitted and its result read."""
+    start = time.perf_counter()
+    runner.client  # noqa: B018
+    started = time.perf_counter() - start
+    start = time.perf_counter()
+    first_task.submit().result()
+    return started, time.perf_counter() - start
+
+
 def runs_of(fn, repeat: int) -> list[float]:
     fn()  # warm-up: imports, kernels, pools
     times = []

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.common import Options, spread
+from benchmarks.common import Options, cluster_start_and_first_task, spread
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:
@@ -39,12 +39,8 @@ def bench_leak_and_start(gpu: bool, cycles: int = 5) -> dict[str, Any]:
     @flow(task_runner=GPUDaskTaskRunner(leak_threshold="256MiB"))
     def leaky() -> dict[str, Any]:
         runner = FlowRunContext.get().task_runner
-        start = time.perf_counter()
-        runner.client  # noqa: B018
-        started = time.perf_counter() - start
-        start = time.perf_counter()
-        pid.submit().result()  # the first task run loads Prefect's engine on its worker
-        first_task = time.perf_counter() - start
+        # The first task run loads Prefect's engine on its worker.
+        started, first_task = cluster_start_and_first_task(runner, pid)
         out: dict[str, Any] = {"cluster_start_s": started, "first_task_s": first_task}
         if not gpu:
             return out
