@@ -433,6 +433,32 @@ def nvml_worker_handle() -> Any:
     return nvml._pynvml_handles()
 
 
+def add_worker_handler(worker: Any, op: str, handler: Callable[..., Any]) -> None:
+    """Serve ``op`` on ``worker``'s own RPC, beside its built-in handlers.
+
+    Public replacement: a ``WorkerPlugin`` hook for RPC handlers (none exists).
+    """
+    worker.handlers[op] = handler
+
+
+async def ask_worker(worker: Any, address: str, msg: dict[str, Any], written: threading.Event) -> Any:
+    """Send ``msg`` to the worker at ``address`` straight from ``worker`` (no scheduler in
+    between) and return its answer; ``written`` is set once the message has left.
+
+    Public replacement: an ``rpc`` call that reports when its request was sent (none).
+    """
+    comm = await worker.rpc.connect(address)
+    try:
+        await comm.write({**msg, "reply": True})
+        written.set()
+        answer = await comm.read()
+    except BaseException:
+        comm.abort()
+        raise
+    worker.rpc.reuse(address, comm)
+    return answer
+
+
 # -- dask ------------------------------------------------------------------------
 
 

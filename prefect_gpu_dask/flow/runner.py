@@ -53,6 +53,7 @@ from prefect_gpu_dask.settings import (
     RunnerSettings,
     check_connection,
 )
+from prefect_gpu_dask.worker.compute import ShareServer
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
 from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
@@ -279,6 +280,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client.register_plugin(GPULabels(self.settings), name=GPULabels.name)
         except Exception as exc:  # e.g. prefect-gpu-dask not installed on the workers
             self.logger.warning("Could not label GPU workers with their model and memory: %s", exc)
+        try:  # compute_on_gpus: shares sent straight from worker to worker
+            client.register_plugin(ShareServer(), name=ShareServer.name)
+        except Exception as exc:
+            self.logger.warning("Could not let workers serve each other's GPU shares: %s", exc)
         try:
             client.register_plugin(WorkerHeap(), name=WorkerHeap.name)
         except Exception as exc:

@@ -12,7 +12,8 @@ limits it. When this is the only GPU worker the graph runs in-process on the
 threads scheduler. Otherwise, a graph that splits into independent pieces (maps, tree
 reductions: each task's inputs come from one group of roots) runs as one
 threads-scheduler call per GPU worker (this worker's share, if it is one, in the
-calling thread), and only the few tasks that join the pieces run here
+calling thread; the others sent straight to their workers, ``ShareServer``, or as tasks
+where a worker does not serve them), and only the few tasks that join the pieces run here
 (``docs/performance.md`` has the figures). Graphs that do not split (shuffles, inputs already held by the
 cluster) go to the distributed scheduler unchanged. Pieces run on the threads
 scheduler, so Dask annotations on the collection (resources, retries) apply only on
@@ -22,8 +23,11 @@ that last path.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import graphlib
+import logging
+import threading
 import time
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -31,10 +35,13 @@ from typing import Any
 import dask
 import distributed
 from dask.sizeof import sizeof
-from distributed.protocol import pickle
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import pickle, to_serialize
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
+
+logger = logging.getLogger(__name__)
 
 # Dask would plan P2P shuffles/rechunks with a distributed client around; the threads
 # scheduler cannot run those.
@@ -42,6 +49,10 @@ TASKS_BASED = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tas
 # Split only when the joining tasks are at most this share of the graph.
 MAX_JOIN_SHARE = 0.25
 PICKLE_RESULTS_UP_TO = 16 * 2**20
+# The op a worker serves shares on, sent straight from the calling worker; also the
+# custom metric by which the scheduler's identity says a worker serves it.
+SHARE_OP = "prefect_gpu_dask_share"
+SHARE_TOPIC = "prefect-gpu-dask-share"
 
 
 def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -64,7 +75,8 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         return dask.compute(*collections, **compute_kwargs)
     me = worker.address
     with distributed.worker_client() as client:
-        workers = gpu_workers(scheduler_identity(client)["workers"])
+        identity = scheduler_identity(client)["workers"]
+        workers = gpu_workers(identity)
         if workers == [me]:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(
@@ -72,7 +84,7 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
                 )
         if not compute_kwargs:
             with dask.config.set(TASKS_BASED):
-                split = _split_compute(client, me, workers, collections)
+                split = _split_compute(client, me, workers, serving_shares(identity), collections)
             if split is not None:
                 return split
         # GPU workers preferred, not required: one restarting must not strand the graph.
@@ -81,8 +93,14 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         return tuple(client.gather(futures))
 
 
+def serving_shares(workers: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    """Workers that serve shares sent straight to them (``ShareServer``), from the
+    scheduler's ``identity()["workers"]``."""
+    return {a for a, w in workers.items() if (w.get("metrics") or {}).get(SHARE_OP)}
+
+
 def _split_compute(
-    client: Any, me: str, workers: list[str], collections: tuple[Any, ...]
+    client: Any, me: str, workers: list[str], serving: set[str], collections: tuple[Any, ...]
 ) -> tuple[Any, ...] | None:
     from dask.base import unpack_collections
 
@@ -96,29 +114,25 @@ def _split_compute(
     parts, join = plan
     shares = dict(zip(workers, parts, strict=True))
     own = shares.pop(me, None)
+    # Pickled here: Dask would read the task objects inside as dependencies of a task.
+    # distributed's pickle: the C pickler first, cloudpickle for lambdas and for functions
+    # of the flow script's __main__.
+    pickled = {worker: (pickle.dumps(part), outputs) for worker, (part, outputs) in shares.items()}
+    asked = {w: _ask(w, *share) for w, share in pickled.items() if w in serving}
     sent_before = _compat.bytes_sent(client.scheduler_comm)
-    remote = [
-        # Pickled here: Dask would read the task objects inside as dependencies of this one.
-        # distributed's pickle: the C pickler first, cloudpickle for lambdas and for
-        # functions of the flow script's __main__.
-        client.submit(
-            _run_part,
-            pickle.dumps(part),
-            outputs,
-            workers=[worker],
-            allow_other_workers=True,  # a preference: a worker restarting meanwhile must not strand it
-            pure=False,
-        )
-        for worker, (part, outputs) in shares.items()
-    ]
+    remote = [_submit(client, w, *share) for w, share in pickled.items() if w not in asked]
     held: dict[Hashable, Any] = {}
     try:
         if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
-            if remote and sent_before is not None:
-                with contextlib.suppress(Exception):  # only a head start for the others
-                    client.sync(_sent, client.scheduler_comm, sent_before, SEND_WAIT_S)
+            _head_start(client, [written for _, written in asked.values()], sent_before if remote else None)
             part, outputs = own
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
+        for worker, (answer, _) in asked.items():
+            produced = _answered(answer)
+            if produced is _NOT_SERVED:  # e.g. the worker went away: the scheduler places it
+                remote.append(_submit(client, worker, *pickled[worker]))
+                continue
+            held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
         for produced in client.gather(remote):
             held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
     except BaseException:
@@ -131,6 +145,99 @@ def _split_compute(
     else:
         values = [held[k] for k in keys]
     return repack(values)
+
+
+def _submit(client: Any, worker: str, part: bytes, outputs: list[Hashable]) -> Any:
+    """A share as a task on ``worker``, placed by the scheduler."""
+    return client.submit(
+        _run_part,
+        part,
+        outputs,
+        workers=[worker],
+        allow_other_workers=True,  # a preference: a worker restarting meanwhile must not strand it
+        pure=False,
+    )
+
+
+_NOT_SERVED = object()
+
+
+def _ask(
+    worker: str, part: bytes, outputs: list[Hashable]
+) -> tuple[concurrent.futures.Future, threading.Event]:
+    """Send a share straight to ``worker`` (``ShareServer``): one round trip, where a
+    task goes through the scheduler on its way there and on its result's way back.
+    Returns the answer's future and an event set once the share has left."""
+    me = _compat.current_worker()
+    written = threading.Event()
+    msg = {"op": SHARE_OP, "part": part, "outputs": pickle.dumps(outputs)}
+    answer = asyncio.run_coroutine_threadsafe(
+        _compat.ask_worker(me, worker, msg, written), me.loop.asyncio_loop
+    )
+    return answer, written
+
+
+def _answered(answer: concurrent.futures.Future) -> Any:
+    """A share's values from its worker's answer, its own error raised here, or
+    ``_NOT_SERVED`` where no answer came (the connection failed, the worker does not
+    serve shares, the answer did not read back)."""
+    try:
+        reply = answer.result()
+    except Exception as exc:
+        logger.debug("A share sent straight to a worker came back without an answer: %r", exc)
+        return _NOT_SERVED
+    if isinstance(reply, dict) and reply.get("status") == "OK":
+        return reply["result"]
+    if isinstance(reply, dict) and reply.get("status") == "share-error":
+        raise pickle.loads(reply["error"])
+    return _NOT_SERVED
+
+
+def _head_start(client: Any, written: list[threading.Event], sent_before: int | None) -> None:
+    """Let the remote shares leave this process before this thread's share takes the GIL
+    for its kernel launches (which the worker's event loop, writing them out, would
+    wait for); only a head start, never longer than ``SEND_WAIT_S``. ``sent_before``:
+    the scheduler comm's byte count before shares were submitted there, if any were."""
+    deadline = time.monotonic() + SEND_WAIT_S
+    for event in written:
+        event.wait(max(0.0, deadline - time.monotonic()))
+    if sent_before is not None:
+        with contextlib.suppress(Exception):
+            client.sync(_sent, client.scheduler_comm, sent_before, max(0.0, deadline - time.monotonic()))
+
+
+class ShareServer(WorkerPlugin):
+    """Serves ``compute_on_gpus`` shares sent straight from the worker whose task calls
+    it, says so to the scheduler (the ``SHARE_OP`` metric), and logs each share it starts
+    (``SHARE_TOPIC``), as the task stream would show a share run as a task."""
+
+    name = "prefect-gpu-dask-shares"
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+        _compat.add_worker_handler(worker, SHARE_OP, self.serve)
+        worker.metrics[SHARE_OP] = _serving
+
+    async def serve(self, part: bytes, outputs: bytes) -> dict[str, Any]:
+        """One share, in a thread of its own: the worker's event loop stays free."""
+        self.worker.log_event(SHARE_TOPIC, {"worker": self.worker.address})
+        try:
+            produced = await asyncio.to_thread(_run_part, part, pickle.loads(outputs), self.worker)
+        except Exception as exc:
+            return {"status": "share-error", "error": _pickled_error(exc)}
+        return {"status": "OK", "result": produced if isinstance(produced, bytes) else to_serialize(produced)}
+
+
+def _serving(worker: Any) -> int:
+    return 1
+
+
+def _pickled_error(exc: Exception) -> bytes:
+    try:
+        return pickle.dumps(exc)
+    except Exception:  # an exception that does not pickle: its text still travels
+        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
 SEND_WAIT_S = 0.05
@@ -150,21 +257,25 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
         await asyncio.sleep(SEND_POLL_S)
 
 
-def _threads() -> int:
+def _threads(worker: Any = None) -> int:
     """As many threads as this worker has: as much GPU work at once as the user allowed."""
-    return _compat.current_worker().state.nthreads
+    return (worker or _compat.current_worker()).state.nthreads
 
 
-def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:
+def _compute_part(
+    part: Mapping[Hashable, Any], outputs: list[Hashable], worker: Any = None
+) -> tuple[Any, ...]:
     # The graph was built under TASKS_BASED on the caller: nothing left to configure here.
-    return dask.threaded.get(part, outputs, num_workers=_threads())
+    return dask.threaded.get(part, outputs, num_workers=_threads(worker))
 
 
-def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hashable, Any]:
+def _run_part(
+    pickled_part: bytes, outputs: list[Hashable], worker: Any = None
+) -> bytes | dict[Hashable, Any]:
     """One remote share. Small results (partial reductions) travel faster as one pickle
     than one by one through Dask's device-aware serialisation; large ones (whole chunks)
     go that way, without the extra host copies a pickle makes."""
-    values = dict(zip(outputs, _compute_part(pickle.loads(pickled_part), outputs), strict=True))
+    values = dict(zip(outputs, _compute_part(pickle.loads(pickled_part), outputs, worker), strict=True))
     return pickle.dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import Counter
+from typing import Any
 
 import dask
 import dask.array as da
@@ -17,7 +19,8 @@ from dask.core import flatten
 from distributed import Client, Event, LocalCluster, get_task_stream
 
 from prefect_gpu_dask import compute_on_gpus
-from prefect_gpu_dask.worker.compute import split_graph
+from prefect_gpu_dask.resources import scheduler_identity
+from prefect_gpu_dask.worker.compute import SHARE_OP, SHARE_TOPIC, ShareServer, serving_shares, split_graph
 from prefect_gpu_dask.worker.recycling import drain, resume
 
 
@@ -65,6 +68,17 @@ def test_graphs_that_do_not_split_are_left_to_dask():
     one_root = next(k for k, node in graph.items() if not node.dependencies)
     del graph[one_root]  # now a task reads a key from outside the graph
     assert split_graph(graph, keys, 2) is None
+
+
+def shares_ran_on(client: Client, stream: Any, since: float) -> Counter:
+    """Which workers ran shares: as tasks placed by the scheduler, or sent straight to them."""
+    tasks = Counter(t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part"))
+    deadline = time.monotonic() + 5  # a served share's event comes on the worker's stream
+    while True:
+        straight = Counter(msg["worker"] for at, msg in client.get_events(SHARE_TOPIC) if at >= since)
+        if tasks or straight or time.monotonic() > deadline:
+            return tasks + straight
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +142,12 @@ def test_a_graph_that_does_not_split_still_spreads_over_both_workers(two_workers
 def test_a_caller_without_a_gpu_sends_the_graph_to_the_only_gpu_worker(remote_cluster):
     with Client(remote_cluster.address) as client:
         by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        since = time.time()
         with get_task_stream(client) as stream:
             future = client.submit(spread_cube, 11, workers=[by_name["cpu-worker"]], pure=False)
             (mean,) = future.result(timeout=60)
+        pieces = set(shares_ran_on(client, stream, since))
     assert mean == dask.compute(speed_cube(11), scheduler="sync")[0]
-    pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
     assert pieces == {by_name["gpu-worker"]}, pieces
 
 
@@ -150,10 +165,11 @@ def sum_with_a_script_function() -> float:
 def test_functions_from_the_flow_script_travel_by_value(remote_cluster):
     with Client(remote_cluster.address) as client:
         by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        since = time.time()
         with get_task_stream(client) as stream:
             future = client.submit(sum_with_a_script_function, workers=[by_name["cpu-worker"]], pure=False)
             assert future.result(timeout=60) == 400 * 400 * 1.5
-    pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
+        pieces = set(shares_ran_on(client, stream, since))
     assert pieces == {by_name["gpu-worker"]}, pieces
 
 
@@ -164,11 +180,12 @@ def one_chunk_sum() -> float:
 def test_a_one_chunk_graph_goes_to_the_gpu_worker_too(remote_cluster):
     with Client(remote_cluster.address) as client:
         by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        since = time.time()
         with get_task_stream(client) as stream:
             future = client.submit(one_chunk_sum, workers=[by_name["cpu-worker"]], pure=False)
             total = future.result(timeout=60)
+        pieces = set(shares_ran_on(client, stream, since))
     assert total == 100 * 100
-    pieces = {t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part")}
     assert pieces == {by_name["gpu-worker"]}, pieces
 
 
@@ -196,3 +213,112 @@ def test_a_draining_sole_gpu_worker_keeps_its_graph_off_the_cpu_workers(remote_c
     assert mean == dask.compute(speed_cube(13), scheduler="sync")[0]
     moved = {t["worker"] for t in stream.data if t["worker"] != gpu}
     assert not moved, f"chunks ran on {moved} while the GPU worker drained"
+
+
+def serve_shares(client: Client, workers: int = 2) -> None:
+    client.register_plugin(ShareServer(), name=ShareServer.name)
+    deadline = time.monotonic() + 30
+    while len(serving_shares(scheduler_identity(client)["workers"])) < workers:  # on the next heartbeat
+        assert time.monotonic() < deadline, "the workers never said they serve shares"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def serving_workers():
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            serve_shares(client)
+            yield client
+
+
+def test_shares_go_straight_to_a_worker_that_serves_them(serving_workers):
+    client = serving_workers
+    since = time.time()
+    with get_task_stream(client) as stream:
+        (mean,) = client.submit(spread_cube, 17, pure=False).result()
+        served = shares_ran_on(client, stream, since)
+        plus, sums = client.submit(array_and_sum, 5, pure=False).result()
+    assert mean == dask.compute(speed_cube(17), scheduler="sync")[0]
+    x = da.random.RandomState(5).random((400, 400), chunks=100)
+    expected_plus, expected_sums = dask.compute(x + 1, x.sum(axis=0), scheduler="sync")
+    assert np.array_equal(plus, expected_plus) and np.allclose(sums, expected_sums)
+    assert not any(str(t["key"]).startswith("_run_part") for t in stream.data)  # no task, no scheduler
+    [caller] = {t["worker"] for t in stream.data if str(t["key"]).startswith("spread_cube")}
+    assert len(served) == 1 and caller not in served and set(served.values()) == {1}, served
+
+
+def large_share_result(seed: int):
+    x = da.random.RandomState(seed).random((3000, 3000), chunks=(500, 3000))  # 36 MB a share
+    return compute_on_gpus(x + 1)[0]
+
+
+def test_a_share_too_large_to_pickle_comes_back_whole(serving_workers):
+    result = serving_workers.submit(large_share_result, 2, pure=False).result()
+    x = da.random.RandomState(2).random((3000, 3000), chunks=(500, 3000))
+    assert np.array_equal(result, (x + 1).compute(scheduler="sync"))
+
+
+def failing_elsewhere(caller_pid: int):
+    def block_or_fail(block):
+        if os.getpid() != caller_pid:
+            raise ValueError(f"no GPU memory left in {os.getpid()}")
+        return block
+
+    x = da.ones((400, 400), chunks=100)
+    return compute_on_gpus(x.map_blocks(block_or_fail).sum())
+
+
+def fails_in_the_other_share() -> Any:
+    return failing_elsewhere(os.getpid())
+
+
+def test_an_error_in_a_share_sent_straight_reaches_the_caller(serving_workers):
+    with pytest.raises(ValueError, match="no GPU memory left in"):
+        serving_workers.submit(fails_in_the_other_share, pure=False).result()
+
+
+def forget_shares(dask_worker) -> None:
+    del dask_worker.handlers[SHARE_OP]  # a worker that still says it serves them, but does not
+
+
+def test_a_share_the_worker_does_not_answer_goes_through_the_scheduler(serving_workers):
+    client = serving_workers
+    client.run(forget_shares)
+    try:
+        with get_task_stream(client) as stream:
+            (mean,) = client.submit(spread_cube, 19, pure=False).result(timeout=60)
+        assert mean == dask.compute(speed_cube(19), scheduler="sync")[0]
+        assert any(str(t["key"]).startswith("_run_part") for t in stream.data)
+    finally:
+        client.unregister_worker_plugin(ShareServer.name)
+        client.register_plugin(ShareServer(), name=ShareServer.name)
+
+
+def sum_slowly_elsewhere(caller_pid: int) -> float:
+    def block(block):
+        if os.getpid() != caller_pid:
+            time.sleep(0.5)  # the other worker's share is still running when it is killed
+        return block
+
+    x = da.ones((400, 400), chunks=100)
+    return float(compute_on_gpus(x.map_blocks(block).sum())[0])
+
+
+def slow_sum_from_here() -> float:
+    return sum_slowly_elsewhere(os.getpid())
+
+
+def test_a_share_whose_worker_dies_is_placed_by_the_scheduler():
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            serve_shares(client)
+            caller, other = sorted(client.scheduler_info()["workers"])
+            pids = client.run(os.getpid)
+            since = time.time()
+            future = client.submit(slow_sum_from_here, workers=[caller], pure=False)
+            deadline = time.monotonic() + 30
+            while not any(m["worker"] == other for at, m in client.get_events(SHARE_TOPIC) if at >= since):
+                assert time.monotonic() < deadline, "the share never started on the other worker"
+                time.sleep(0.05)
+            os.kill(pids[other], 9)
+            assert future.result(timeout=60) == 400 * 400
