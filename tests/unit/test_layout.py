@@ -48,6 +48,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.guard": {"GPUMemoryGuard"},  # the guard plugin, registered for every worker
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
         "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
+        "worker.compute": {"ShareServer"},  # the share server plugin, likewise
     },
     "flow.submission": {
         "worker.entry": {"run_prefect_task"},  # the Dask task of every task run
