@@ -441,6 +441,24 @@ def add_worker_handler(worker: Any, op: str, handler: Callable[..., Any]) -> Non
     worker.handlers[op] = handler
 
 
+def as_on_worker(worker: Any, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in this thread as a task's code runs on ``worker``: with
+    ``get_worker()`` (and so ``get_client()``, ``Event``, ``Lock``) answering for it.
+    Public replacement: none (``distributed.worker._worker_cvar`` is what a task gets)."""
+    from distributed.worker import _worker_cvar
+
+    token = _worker_cvar.set(worker)
+    try:
+        return function(*args)
+    finally:
+        _worker_cvar.reset(token)
+
+
+def remove_worker_handler(worker: Any, op: str) -> None:
+    """Stop serving ``op`` (``add_worker_handler``). Public replacement: as there."""
+    worker.handlers.pop(op, None)
+
+
 async def ask_worker(worker: Any, address: str, msg: dict[str, Any], written: threading.Event) -> Any:
     """Send ``msg`` to the worker at ``address`` straight from ``worker`` (no scheduler in
     between) and return its answer; ``written`` is set once the message has left.
@@ -451,12 +469,30 @@ async def ask_worker(worker: Any, address: str, msg: dict[str, Any], written: th
     try:
         await comm.write({**msg, "reply": True})
         written.set()
-        answer = await comm.read()
+        return await comm.read()
     except BaseException:
         comm.abort()
         raise
-    worker.rpc.reuse(address, comm)
-    return answer
+    finally:  # a closed comm handed back frees its slot in the pool
+        worker.rpc.reuse(address, comm)
+
+
+def error_reply(exc: BaseException, status: str) -> dict[str, Any]:
+    """An exception as a message, with its traceback, as distributed's handlers send it
+    (falling back to its text where it does not pickle). Public replacement: none
+    (``distributed.core.error_message``)."""
+    from distributed.core import error_message
+
+    return error_message(exc, status=status)
+
+
+def raise_error_reply(reply: dict[str, Any]) -> None:
+    """Raise the exception ``error_reply`` sent, with its remote traceback. Public
+    replacement: none (``distributed.core.clean_exception``)."""
+    from distributed.core import clean_exception
+
+    _, exc, traceback = clean_exception(**reply)
+    raise exc.with_traceback(traceback)
 
 
 # -- dask ------------------------------------------------------------------------

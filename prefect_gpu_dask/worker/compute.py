@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import graphlib
 import logging
 import threading
@@ -35,6 +36,7 @@ from typing import Any
 import dask
 import distributed
 from dask.sizeof import sizeof
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle, to_serialize
 
@@ -53,6 +55,8 @@ PICKLE_RESULTS_UP_TO = 16 * 2**20
 # custom metric by which the scheduler's identity says a worker serves it.
 SHARE_OP = "prefect_gpu_dask_share"
 SHARE_TOPIC = "prefect-gpu-dask-share"
+SHARE_ERROR = "share-error"
+ANSWER_POLL_S = 1.0
 
 
 def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -137,6 +141,8 @@ def _split_compute(
             held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
     except BaseException:
         client.cancel(remote)  # no GPU time for shares nobody will read
+        for answer, _ in asked.values():
+            answer.cancel()  # the connection closes; a share already running there ends by itself
         raise
     del remote  # the remote copies go now, not when this function returns
     if join:
@@ -180,16 +186,21 @@ def _ask(
 def _answered(answer: concurrent.futures.Future) -> Any:
     """A share's values from its worker's answer, its own error raised here, or
     ``_NOT_SERVED`` where no answer came (the connection failed, the worker does not
-    serve shares, the answer did not read back)."""
+    serve shares or declined, the answer did not read back)."""
     try:
-        reply = answer.result()
+        while True:
+            try:  # in slices: Prefect's timeout and cancellation reach this thread between them
+                reply = answer.result(timeout=ANSWER_POLL_S)
+                break
+            except concurrent.futures.TimeoutError:
+                continue
     except Exception as exc:
         logger.debug("A share sent straight to a worker came back without an answer: %r", exc)
         return _NOT_SERVED
     if isinstance(reply, dict) and reply.get("status") == "OK":
         return reply["result"]
-    if isinstance(reply, dict) and reply.get("status") == "share-error":
-        raise pickle.loads(reply["error"])
+    if isinstance(reply, dict) and reply.get("status") == SHARE_ERROR:
+        _compat.raise_error_reply(reply)
     return _NOT_SERVED
 
 
@@ -209,35 +220,54 @@ def _head_start(client: Any, written: list[threading.Event], sent_before: int | 
 class ShareServer(WorkerPlugin):
     """Serves ``compute_on_gpus`` shares sent straight from the worker whose task calls
     it, says so to the scheduler (the ``SHARE_OP`` metric), and logs each share it starts
-    (``SHARE_TOPIC``), as the task stream would show a share run as a task."""
+    (``SHARE_TOPIC``), as the task stream would show a share run as a task.
+
+    Shares run in threads of their own, at most as many at once as the worker has
+    threads, and only while the worker takes work: one that is draining, paused or
+    closing declines, and the caller has the scheduler place the share.
+    """
 
     name = "prefect-gpu-dask-shares"
     idempotent = True
 
     def setup(self, worker: Any) -> None:
         self.worker = worker
+        self.in_flight = 0  # a drain waits for these as for running tasks
+        self._pool = concurrent.futures.ThreadPoolExecutor(worker.state.nthreads, "gpu-share")
         _compat.add_worker_handler(worker, SHARE_OP, self.serve)
         worker.metrics[SHARE_OP] = _serving
 
-    async def serve(self, part: bytes, outputs: bytes) -> dict[str, Any]:
-        """One share, in a thread of its own: the worker's event loop stays free."""
+    def teardown(self, worker: Any) -> None:
+        _compat.remove_worker_handler(worker, SHARE_OP)
+        worker.metrics.pop(SHARE_OP, None)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def serve(self, part: bytes, outputs: bytes) -> dict[str, Any] | None:
+        """One share, in this server's threads: the worker's event loop stays free."""
+        if self.worker.status != Status.running:
+            return None
         self.worker.log_event(SHARE_TOPIC, {"worker": self.worker.address})
+        self.in_flight += 1
         try:
-            produced = await asyncio.to_thread(_run_part, part, pickle.loads(outputs), self.worker)
+            run = functools.partial(
+                _compat.as_on_worker, self.worker, _run_part, part, pickle.loads(outputs), self.worker
+            )
+            produced = await asyncio.get_running_loop().run_in_executor(self._pool, run)
         except Exception as exc:
-            return {"status": "share-error", "error": _pickled_error(exc)}
+            return _compat.error_reply(exc, SHARE_ERROR)
+        finally:
+            self.in_flight -= 1
         return {"status": "OK", "result": produced if isinstance(produced, bytes) else to_serialize(produced)}
+
+
+def shares_in_flight(worker: Any) -> int:
+    """Shares ``worker`` is running for other workers' tasks (``ShareServer``)."""
+    server = worker.plugins.get(ShareServer.name)
+    return getattr(server, "in_flight", 0)
 
 
 def _serving(worker: Any) -> int:
     return 1
-
-
-def _pickled_error(exc: Exception) -> bytes:
-    try:
-        return pickle.dumps(exc)
-    except Exception:  # an exception that does not pickle: its text still travels
-        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
 SEND_WAIT_S = 0.05

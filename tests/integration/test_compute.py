@@ -72,7 +72,8 @@ def test_graphs_that_do_not_split_are_left_to_dask():
 
 def shares_ran_on(client: Client, stream: Any, since: float) -> Counter:
     """Which workers ran shares: as tasks placed by the scheduler, or sent straight to them."""
-    tasks = Counter(t["worker"] for t in stream.data if str(t["key"]).startswith("_run_part"))
+    ran = stream.data if stream else []
+    tasks = Counter(t["worker"] for t in ran if str(t["key"]).startswith("_run_part"))
     deadline = time.monotonic() + 5  # a served share's event comes on the worker's stream
     while True:
         straight = Counter(msg["worker"] for at, msg in client.get_events(SHARE_TOPIC) if at >= since)
@@ -236,15 +237,17 @@ def test_shares_go_straight_to_a_worker_that_serves_them(serving_workers):
     since = time.time()
     with get_task_stream(client) as stream:
         (mean,) = client.submit(spread_cube, 17, pure=False).result()
-        served = shares_ran_on(client, stream, since)
+    served = shares_ran_on(client, stream, since)
+    assert not any(str(t["key"]).startswith("_run_part") for t in stream.data)  # no task, no scheduler
+    [caller] = {t["worker"] for t in stream.data if str(t["key"]).startswith("spread_cube")}
+    assert len(served) == 1 and caller not in served and set(served.values()) == {1}, served
+    with get_task_stream(client) as stream:
         plus, sums = client.submit(array_and_sum, 5, pure=False).result()
     assert mean == dask.compute(speed_cube(17), scheduler="sync")[0]
     x = da.random.RandomState(5).random((400, 400), chunks=100)
     expected_plus, expected_sums = dask.compute(x + 1, x.sum(axis=0), scheduler="sync")
     assert np.array_equal(plus, expected_plus) and np.allclose(sums, expected_sums)
-    assert not any(str(t["key"]).startswith("_run_part") for t in stream.data)  # no task, no scheduler
-    [caller] = {t["worker"] for t in stream.data if str(t["key"]).startswith("spread_cube")}
-    assert len(served) == 1 and caller not in served and set(served.values()) == {1}, served
+    assert not any(str(t["key"]).startswith("_run_part") for t in stream.data)
 
 
 def large_share_result(seed: int):
@@ -294,31 +297,55 @@ def test_a_share_the_worker_does_not_answer_goes_through_the_scheduler(serving_w
         client.register_plugin(ShareServer(), name=ShareServer.name)
 
 
-def sum_slowly_elsewhere(caller_pid: int) -> float:
+def sum_held_elsewhere(caller_pid: int) -> float:
     def block(block):
-        if os.getpid() != caller_pid:
-            time.sleep(0.5)  # the other worker's share is still running when it is killed
+        if os.getpid() != caller_pid:  # the other worker's share waits until the test lets it go
+            Event("share-may-end").wait(timeout=60)
         return block
 
     x = da.ones((400, 400), chunks=100)
     return float(compute_on_gpus(x.map_blocks(block).sum())[0])
 
 
-def slow_sum_from_here() -> float:
-    return sum_slowly_elsewhere(os.getpid())
+def held_sum_from_here() -> float:
+    return sum_held_elsewhere(os.getpid())
 
 
-def test_a_share_whose_worker_dies_is_placed_by_the_scheduler():
+@pytest.fixture
+def share_held_on_the_other_worker():
+    """A call whose share on the other worker is running and held there."""
     with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address="127.0.0.1:0") as cluster:
         with Client(cluster) as client:
             serve_shares(client)
             caller, other = sorted(client.scheduler_info()["workers"])
-            pids = client.run(os.getpid)
+            let_go = Event("share-may-end", client=client)
+            let_go.clear()
             since = time.time()
-            future = client.submit(slow_sum_from_here, workers=[caller], pure=False)
+            future = client.submit(held_sum_from_here, workers=[caller], pure=False)
             deadline = time.monotonic() + 30
-            while not any(m["worker"] == other for at, m in client.get_events(SHARE_TOPIC) if at >= since):
+            while other not in shares_ran_on(client, None, since):
                 assert time.monotonic() < deadline, "the share never started on the other worker"
                 time.sleep(0.05)
-            os.kill(pids[other], 9)
+            try:
+                yield client, other, future, let_go
+            finally:
+                let_go.set()
             assert future.result(timeout=60) == 400 * 400
+
+
+def test_a_share_whose_worker_dies_is_placed_by_the_scheduler(share_held_on_the_other_worker):
+    client, other, future, let_go = share_held_on_the_other_worker
+    with get_task_stream(client) as stream:
+        os.kill(client.run(os.getpid, workers=[other])[other], 9)
+        let_go.set()
+        assert future.result(timeout=60) == 400 * 400
+    assert any(str(t["key"]).startswith("_run_part") for t in stream.data)  # placed by the scheduler
+
+
+def test_a_drained_worker_waits_for_the_share_it_runs(share_held_on_the_other_worker):
+    client, other, future, let_go = share_held_on_the_other_worker
+    try:
+        before = client.run(drain, workers=[other])[other]
+        assert before["running"] == 1  # no task of its own: the share
+    finally:
+        client.run(resume, workers=[other])
