@@ -135,10 +135,10 @@ def _split_compute(
             produced = _answered(answer)
             if produced is _NOT_SERVED:  # e.g. the worker went away: the scheduler places it
                 remote.append(_submit(client, worker, *pickled[worker]))
-                continue
-            held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
+            else:
+                held.update(_share_values(produced))
         for produced in client.gather(remote):
-            held.update(pickle.loads(produced) if isinstance(produced, bytes) else produced)
+            held.update(_share_values(produced))
     except BaseException:
         client.cancel(remote)  # no GPU time for shares nobody will read
         for answer, _ in asked.values():
@@ -168,6 +168,11 @@ def _submit(client: Any, worker: str, part: bytes, outputs: list[Hashable]) -> A
 _NOT_SERVED = object()
 
 
+def _share_values(produced: bytes | dict[Hashable, Any]) -> dict[Hashable, Any]:
+    """A remote share's values, as ``_run_part`` returned them."""
+    return pickle.loads(produced) if isinstance(produced, bytes) else produced
+
+
 def _ask(
     worker: str, part: bytes, outputs: list[Hashable]
 ) -> tuple[concurrent.futures.Future, threading.Event]:
@@ -187,13 +192,10 @@ def _answered(answer: concurrent.futures.Future) -> Any:
     """A share's values from its worker's answer, its own error raised here, or
     ``_NOT_SERVED`` where no answer came (the connection failed, the worker does not
     serve shares or declined, the answer did not read back)."""
+    while not answer.done():  # in slices: Prefect's timeout and cancellation reach this thread between them
+        concurrent.futures.wait([answer], timeout=ANSWER_POLL_S)
     try:
-        while True:
-            try:  # in slices: Prefect's timeout and cancellation reach this thread between them
-                reply = answer.result(timeout=ANSWER_POLL_S)
-                break
-            except concurrent.futures.TimeoutError:
-                continue
+        reply = answer.result()
     except Exception as exc:
         logger.debug("A share sent straight to a worker came back without an answer: %r", exc)
         return _NOT_SERVED
@@ -249,9 +251,7 @@ class ShareServer(WorkerPlugin):
         self.worker.log_event(SHARE_TOPIC, {"worker": self.worker.address})
         self.in_flight += 1
         try:
-            run = functools.partial(
-                _compat.as_on_worker, self.worker, _run_part, part, pickle.loads(outputs), self.worker
-            )
+            run = functools.partial(_compat.as_on_worker, self.worker, _run_part, part, pickle.loads(outputs))
             produced = await asyncio.get_running_loop().run_in_executor(self._pool, run)
         except Exception as exc:
             return _compat.error_reply(exc, SHARE_ERROR)
@@ -287,25 +287,21 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
         await asyncio.sleep(SEND_POLL_S)
 
 
-def _threads(worker: Any = None) -> int:
+def _threads() -> int:
     """As many threads as this worker has: as much GPU work at once as the user allowed."""
-    return (worker or _compat.current_worker()).state.nthreads
+    return _compat.current_worker().state.nthreads
 
 
-def _compute_part(
-    part: Mapping[Hashable, Any], outputs: list[Hashable], worker: Any = None
-) -> tuple[Any, ...]:
+def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:
     # The graph was built under TASKS_BASED on the caller: nothing left to configure here.
-    return dask.threaded.get(part, outputs, num_workers=_threads(worker))
+    return dask.threaded.get(part, outputs, num_workers=_threads())
 
 
-def _run_part(
-    pickled_part: bytes, outputs: list[Hashable], worker: Any = None
-) -> bytes | dict[Hashable, Any]:
+def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hashable, Any]:
     """One remote share. Small results (partial reductions) travel faster as one pickle
     than one by one through Dask's device-aware serialisation; large ones (whole chunks)
     go that way, without the extra host copies a pickle makes."""
-    values = dict(zip(outputs, _compute_part(pickle.loads(pickled_part), outputs, worker), strict=True))
+    values = dict(zip(outputs, _compute_part(pickle.loads(pickled_part), outputs), strict=True))
     return pickle.dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
 
 
