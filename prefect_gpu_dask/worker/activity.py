@@ -88,6 +88,8 @@ class Activity:
 
 
 def throttle_names(reasons: int) -> tuple[str, ...]:
+    if not reasons:
+        return ()
     return tuple(name for bit, name in THROTTLE_REASONS.items() if reasons & bit)
 
 
@@ -179,10 +181,8 @@ class ActivityWatch:
             self._wake.set()
 
     def stop(self, ticket: int) -> Activity | None:
-        with self._lock:
+        with self._lock:  # the thread goes idle by itself: see PeakSampler.stop
             opened = self._open.pop(ticket, None)
-            if not self._open:
-                self._wake.clear()
         if opened is None:
             return None
         try:
@@ -207,6 +207,7 @@ class ActivityWatch:
             self._started.clear()
             with self._lock:
                 if not self._open:
+                    self._wake.clear()  # start() sets it again after adding its task
                     continue
             self._last_tick = time.monotonic()
             try:

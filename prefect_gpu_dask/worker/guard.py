@@ -22,7 +22,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from typing import Any
 
 from distributed import WorkerPlugin
@@ -49,6 +48,7 @@ from prefect_gpu_dask.worker.probe import (
     MemorySample,
     allocator_reader,
     process_sampler,
+    with_allocators,
     worker_probe,
 )
 from prefect_gpu_dask.worker.quarantine import HealthWatch
@@ -144,11 +144,10 @@ class PeakSampler:
             self._wake.set()
 
     def stop(self, ticket: int, last: int) -> int:
+        # The thread goes idle by itself (below): clearing ``_wake`` here would make the
+        # next task's start wake it, a GIL handoff per task.
         with self._lock:
-            peak = max(self._peaks.pop(ticket, last), last)
-            if not self._peaks:
-                self._wake.clear()
-        return peak
+            return max(self._peaks.pop(ticket, last), last)
 
     def _run(self) -> None:
         while True:
@@ -160,6 +159,7 @@ class PeakSampler:
                 continue
             with self._lock:
                 if not self._peaks:
+                    self._wake.clear()  # start() sets it again after adding its ticket
                     continue
                 self._interval = min(2 * self._interval, self._max_interval)
             try:
@@ -305,8 +305,7 @@ class GPUMemoryGuard(WorkerPlugin):
         if before.process == 0 and _create_cuda_context():
             before = self._read_process()  # the context is the process's, not the task's
             self.context_bytes = max(before.process, 0)
-        held = self._read_allocators()
-        before = before._replace(cached=held.cached, owned=held.owned)
+        before = with_allocators(before, self._read_allocators())
         self._sampler.start(ticket, before.judged)
         if self._activity is not None:
             self._activity.start(ticket)
@@ -453,10 +452,12 @@ def build_record(
     )
 
 
+_ROUNDED = {"sm_util_mean": 1, "sm_util_peak": 1, "energy_j": 3}
+
+
 def _activity_fields(activity: Activity) -> dict[str, Any]:
-    rounded = {"sm_util_mean": 1, "sm_util_peak": 1, "energy_j": 3}
-    values = asdict(activity)
-    return {k: v if k not in rounded or v is None else round(v, rounded[k]) for k, v in values.items()}
+    values = vars(activity)  # plain values only: no deep copy (asdict)
+    return {k: v if k not in _ROUNDED or v is None else round(v, _ROUNDED[k]) for k, v in values.items()}
 
 
 def _log_record(record: TaskRecord) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prefect_gpu_dask.records import CACHED, CLEAN, LEAK, LIBRARY, OOM, format_bytes
 from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.worker.probe import AllocatorBytes, MemoryProbe, MemorySample
+from prefect_gpu_dask.worker.probe import AllocatorBytes, MemoryProbe, MemorySample, with_allocators
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def owned_growth(before: MemorySample, after: MemorySample) -> int | None:
 
 def _read(probe: MemoryProbe, allocators: Callable[[], AllocatorBytes]) -> MemorySample:
     held = allocators()
-    return probe.sample()._replace(cached=held.cached, owned=held.owned)
+    return with_allocators(probe.sample(), held)
 
 
 def judge(

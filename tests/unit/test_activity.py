@@ -3,6 +3,7 @@ NVML answers: the bookkeeping, not the driver."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -128,3 +129,38 @@ def test_while_a_tick_is_fresh_the_task_thread_reads_nothing_itself():
     assert activity.temperature_peak_c == 70 and activity.throttle_reasons == ("hw_slowdown",)
     assert (activity.sm_util_mean, activity.util_scope) == (33, DEVICE)  # no tick inside it
     watch.stop(1)
+
+
+class CountingEvent(threading.Event):
+    """An event that counts how often it is set: each set of a clear one wakes its waiter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_a_stream_of_tasks_does_not_wake_the_thread_for_each_one():
+    reader = Reader()
+    watch = ActivityWatch(reader, tick_s=1.0)
+    watch._wake = wake = CountingEvent()
+    for ticket in range(200):
+        watch.start(ticket)
+        watch.stop(ticket)
+    # The thread goes idle by itself, once per tick at most: not once per task.
+    assert wake.sets <= 3, wake.sets
+    deadline = time.monotonic() + 5
+    while wake.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not wake.is_set()  # no task open: it went idle
+    ticks = reader.ticks
+    time.sleep(0.3)
+    assert reader.ticks == ticks
+    watch.start(1000)  # and a new task wakes it again
+    while reader.ticks == ticks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader.ticks > ticks
+    watch.stop(1000)

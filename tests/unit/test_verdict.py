@@ -477,3 +477,25 @@ def test_a_restart_that_would_bring_back_its_own_context_over_the_limit_is_not_a
 
     assert verdict(0).restart_reason.startswith("memory limit")
     assert verdict(512 * MiB).restart_reason is None
+
+
+def test_the_peak_sampler_is_not_woken_for_each_task_and_goes_idle_between_them():
+    import time
+
+    from prefect_gpu_dask.worker.guard import PeakSampler
+    from tests.unit.test_activity import CountingEvent
+
+    probe = ClockProbe(spike_from=10.0, spike_to=10.0)
+    sampler = PeakSampler(probe, interval_s=0.005, max_interval_s=0.1)
+    sampler._wake = wake = CountingEvent()
+    for ticket in range(200):
+        sampler.start(ticket, 1 * GiB)
+        sampler.stop(ticket, 1 * GiB)
+    assert wake.sets <= 3, wake.sets
+    deadline = time.monotonic() + 5
+    while wake.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not wake.is_set()
+    reads = probe.reads
+    time.sleep(0.2)
+    assert probe.reads == reads  # idle: no reading without a task
