@@ -2,8 +2,8 @@
 # An A/B on one warm machine: one benchmark command run against an older package and this
 # tree's, in turn, ROUNDS times each, so the host's drift falls on both sides alike.
 #
-#   git archive -o .whl/old-<commit>.tar <commit> prefect_gpu_dask benchmarks tests flows
-#   OLD=.whl/old-<commit>.tar ROUNDS=3 LABEL=guard bash benchmarks/ab.sh benchmarks/run.py --sections guard
+#   git archive <commit> prefect_gpu_dask benchmarks tests flows | xz > .whl/old-<commit>.tar.xz
+#   OLD=.whl/old-<commit>.tar.xz ROUNDS=3 LABEL=guard bash benchmarks/ab.sh benchmarks/run.py --sections guard
 #
 # The command is a Python script path relative to a tree, and its arguments; each side runs
 # it from its own tree (after benchmarks/gpu_run.sh has installed /tmp/site). Output:
