@@ -267,6 +267,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._recycler.start()
             self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait, self.settings)
             self._register_plugins(client)
+            self._submitter.prepare_workers()
         return self._client
 
     def _register_plugins(self, client: distributed.Client) -> None:

@@ -16,6 +16,7 @@ assets, task run) is serialised per task exactly as prefect-dask does, and seale
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
@@ -36,7 +37,7 @@ from prefect_gpu_dask.payload import Shared, seal
 from prefect_gpu_dask.records import TASK_RUN
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.deadline import deadline
-from prefect_gpu_dask.worker.entry import run_prefect_task
+from prefect_gpu_dask.worker.entry import prepare_for_flow_run, run_prefect_task
 from prefect_gpu_dask.worker.fallback import falling_back
 from prefect_gpu_dask.worker.guard import guarding
 from prefect_gpu_dask.worker.host_gpu_lock import claiming_gpu
@@ -45,6 +46,8 @@ from prefect_gpu_dask.worker.taskwrap import stacked, with_around
 
 if TYPE_CHECKING:
     from prefect_gpu_dask.worker.taskwrap import Around
+
+logger = logging.getLogger(__name__)
 
 _SETTINGS = _compat.context_var(SettingsContext)
 _ENGINE = _compat.context_var(EngineContext)
@@ -182,6 +185,20 @@ class TaskSubmitter:
                 self._shared.popitem(last=False)
         return cached[1]
 
+    def _shared_settings(self) -> Shared:
+        """This flow run's settings as its task runs carry them (``serialize_context``'s
+        ``settings_context``)."""
+        settings = self._stand_in(SettingsContext)
+        return self._share("settings", settings, settings.serialize() if settings is not None else {})
+
+    def prepare_workers(self) -> None:
+        """Let every worker build this flow run's settings and API client now, while the
+        flow goes on: each worker's first task run would wait for them."""
+        try:
+            self._client.run(prepare_for_flow_run, self._shared_settings(), wait=False)
+        except Exception as exc:  # e.g. a worker without this package: its first task run builds them
+            logger.debug("Workers not prepared for this flow run: %r", exc)
+
     def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
         settings = self._stand_in(SettingsContext)
         engine = self._stand_in(EngineContext)
@@ -200,7 +217,7 @@ class TaskSubmitter:
         finally:
             for var, token in reversed(resets):
                 var.reset(token)
-        context["settings_context"] = self._share("settings", settings, context["settings_context"])
+        context["settings_context"] = self._shared_settings()
         if engine is not None:
             context["flow_run_context"] = self._share("flow", engine, context["flow_run_context"])
         return context

@@ -20,3 +20,16 @@ def run_prefect_task(*, task: Shared, sealed: bytes, **run_kwargs: Any) -> Any:
     from prefect_gpu_dask.worker.taskrun import run_task_run  # Prefect loads here, on the worker
 
     return run_task_run(task=task, **cloudpickle.loads(sealed), **run_kwargs)
+
+
+async def prepare_for_flow_run(settings: Shared) -> None:
+    """Build a flow run's settings and API client on this worker, in a thread of its own,
+    before its first task run arrives (``client.run`` starts this on the worker's event
+    loop, which must not wait for it)."""
+    import threading
+
+    from prefect_gpu_dask.worker.taskrun import prepare_flow_run
+
+    setup = threading.Thread(target=prepare_flow_run, args=(settings,), name="prefect-flow-run-setup")
+    setup.daemon = True
+    setup.start()

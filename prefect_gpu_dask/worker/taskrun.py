@@ -9,6 +9,7 @@ The worker side of ``flow.submission``: what the flow sends once per flow run
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -16,8 +17,10 @@ from typing import Any
 import cloudpickle
 from distributed import get_worker
 from prefect.context import SettingsContext, SyncClientContext, hydrated_context
+from prefect.events.worker import EventsWorker
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.configuration import ensure_logging_setup
+from prefect.logging.handlers import APILogWorker
 from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 
@@ -29,6 +32,8 @@ from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
 from prefect_gpu_dask.worker.recycling import admit, announce_end
 from prefect_gpu_dask.worker.tag_limits import TagLimits
+
+logger = logging.getLogger(__name__)
 
 _SETTINGS = _compat.context_var(SettingsContext)
 _CLIENTS = _compat.context_var(SyncClientContext)
@@ -105,6 +110,24 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
         return settings, clients
 
     return _cached(f"settings-{shared.token}", build)
+
+
+def prepare_flow_run(shared_settings: Shared) -> None:
+    """What a flow run's first task run on this worker would otherwise wait for: its
+    settings and API client (``_settings_and_client``) and Prefect's API log and event
+    workers, started as the engine would start them. Tasks arriving meanwhile wait for
+    the same build (``_cached``), never make a second one."""
+    try:
+        settings, clients = _settings_and_client(shared_settings)
+        settings_reset, clients_reset = _SETTINGS.set(settings), _CLIENTS.set(clients)
+        try:
+            APILogWorker.instance()
+            EventsWorker.instance()
+        finally:
+            _CLIENTS.reset(clients_reset)
+            _SETTINGS.reset(settings_reset)
+    except Exception:  # the first task run builds them then, and reports what fails
+        logger.debug("Could not prepare this worker for a flow run", exc_info=True)
 
 
 def _health() -> HealthWatch | None:

@@ -556,3 +556,32 @@ def test_a_flow_runs_end_does_not_wait_for_its_heartbeat_thread(remote_cluster):
     # A run's end may fall just before the thread's next check: allow a few tries.
     assert any(_heartbeat_alive_at_return(on_this_runner, seen) for _ in range(10))
     assert not any(_heartbeat_alive_at_return(on_the_thread_pool, seen) for _ in range(3))
+
+
+def flow_run_settings_built() -> list[str]:
+    """For ``Client.run``: the flow runs' settings and API clients this worker has built."""
+    from prefect_gpu_dask.worker import taskrun
+
+    return sorted(key for key in taskrun._worker_cache if key.startswith("settings-"))
+
+
+def test_workers_build_a_flow_runs_settings_and_client_before_its_first_task_run():
+    @flow(task_runner=GPUDaskTaskRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 1}))
+    def prepared() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        from prefect.context import FlowRunContext
+
+        client = FlowRunContext.get().task_runner.client
+        deadline = time.monotonic() + 30
+        built = client.run(flow_run_settings_built)
+        while not all(built.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            built = client.run(flow_run_settings_built)
+        [f.result() for f in anywhere.map(range(8))]
+        return built, client.run(flow_run_settings_built)
+
+    before, after = prepared()
+    assert len(before) == 2
+    # Each worker built this flow run's settings and client with no task run yet, and its
+    # task runs then used that one: none built a second.
+    assert all(len(keys) == 1 for keys in before.values()), before
+    assert after == before
