@@ -21,6 +21,7 @@ from prefect.events.worker import EventsWorker
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.configuration import ensure_logging_setup
 from prefect.logging.handlers import APILogWorker
+from prefect.plugins import load_prefect_collections
 from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 
@@ -114,15 +115,18 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
 
 def prepare_flow_run(shared_settings: Shared) -> None:
     """What a flow run's first task run on this worker would otherwise wait for: its
-    settings and API client (``_settings_and_client``) and Prefect's API log and event
-    workers, started as the engine would start them. Tasks arriving meanwhile wait for
-    the same build (``_cached``), never make a second one."""
+    settings and API client (``_settings_and_client``), Prefect's API log and event
+    workers, started as the engine would start them, and, once per process, the
+    collections Prefect looks up blocks in (its flow-run context holds a result-storage
+    block). Tasks arriving meanwhile wait for the same build (``_cached``), never make a
+    second one."""
     try:
         settings, clients = _settings_and_client(shared_settings)
         settings_reset, clients_reset = _SETTINGS.set(settings), _CLIENTS.set(clients)
         try:
             APILogWorker.instance()
             EventsWorker.instance()
+            load_prefect_collections()
         finally:
             _CLIENTS.reset(clients_reset)
             _SETTINGS.reset(settings_reset)
