@@ -22,14 +22,20 @@ def run_prefect_task(*, task: Shared, sealed: bytes, **run_kwargs: Any) -> Any:
     return run_task_run(task=task, **cloudpickle.loads(sealed), **run_kwargs)
 
 
-async def prepare_for_flow_run(settings: Shared) -> None:
+async def prepare_for_flow_run(settings: Shared, dask_worker: Any = None) -> None:
     """Build a flow run's settings and API client on this worker, in a thread of its own,
     before its first task run arrives (``client.run`` starts this on the worker's event
-    loop, which must not wait for it)."""
+    loop, which must not wait for it, and passes ``dask_worker``). The thread sees its
+    worker as a task run's thread does."""
     import threading
 
+    from prefect_gpu_dask import _compat
     from prefect_gpu_dask.worker.taskrun import prepare_flow_run
 
-    setup = threading.Thread(target=prepare_flow_run, args=(settings,), name="prefect-flow-run-setup")
+    setup = threading.Thread(
+        target=_compat.as_on_worker,
+        args=(dask_worker, prepare_flow_run, settings),
+        name="prefect-flow-run-setup",
+    )
     setup.daemon = True
     setup.start()

@@ -156,6 +156,9 @@ def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) ->
     task = screen(task, _compat.current_task_restrictions(), _health)  # a sick GPU's work goes elsewhere
     shared_settings = context.pop("settings_context")
     settings, clients = _settings_and_client(shared_settings)
+    # Again on a task run's own thread, once per flow run: handlers Prefect set up after
+    # the preparation thread's look are made plain too.
+    _cached(f"on-a-task-thread-{shared_settings.token}", prepare_process)
     task, final = admit(task, lambda: _api_state(clients, run_kwargs["task_run_id"]))
     if final is not None:  # its worker died after the run ended: the flow gets that state again
         return final

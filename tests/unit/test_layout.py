@@ -51,7 +51,8 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.compute": {"ShareServer"},  # the share server plugin, likewise
     },
     "flow.submission": {
-        "worker.entry": {"run_prefect_task"},  # the Dask task of every task run
+        # the Dask task of every task run, and what prepares a worker for a flow run
+        "worker.entry": {"run_prefect_task", "prepare_for_flow_run"},
         "worker.taskwrap": {"with_around", "stacked"},  # the clone that travels with the task
         "worker.fallback": {"falling_back"},  # wrappers inside that clone
         "worker.guard": {"guarding"},
