@@ -217,7 +217,8 @@ class TaskSubmitter:
         finally:
             for var, token in reversed(resets):
                 var.reset(token)
-        context["settings_context"] = self._shared_settings()
+        # The same Shared as prepare_workers sent: keyed on the same stand-in.
+        context["settings_context"] = self._share("settings", settings, context["settings_context"])
         if engine is not None:
             context["flow_run_context"] = self._share("flow", engine, context["flow_run_context"])
         return context
