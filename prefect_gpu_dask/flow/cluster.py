@@ -69,6 +69,11 @@ def is_local_cpu_cluster(cluster_class: str | Callable[..., Any]) -> bool:
     return cluster_class_name(cluster_class).rsplit(".", 1)[-1] == "LocalCluster"
 
 
+def default_is_cuda() -> bool:
+    """Whether the default cluster here is a ``LocalCUDACluster``; dask-cuda not imported."""
+    return bool(nvml.visible_gpu_count()) and has_dask_cuda()
+
+
 def default_cluster_class(logger: logging.Logger) -> type:
     gpus = nvml.visible_gpu_count()
     if gpus and has_dask_cuda():
@@ -147,16 +152,36 @@ def local_cluster_config(fail_without_workers: bool) -> dict[str, Any]:
     return config
 
 
+def forks_workers(cluster_class: str | Callable[..., Any], kwargs: dict[str, Any]) -> bool:
+    """Whether ``cluster_class(**kwargs)`` is a local cluster of worker processes, which
+    fork from the server (``forkserver``)."""
+    local = is_local_cuda_cluster(cluster_class) or is_local_cpu_cluster(cluster_class)
+    return local and bool(kwargs.get("processes", True))
+
+
 def start_local_cluster(
     cluster_class: Callable[..., Any], kwargs: dict[str, Any], stack: ExitStack, config: dict[str, Any]
 ) -> Any:
     """``cluster_class(**kwargs)`` under ``config``, closed with ``stack``; a local
     cluster's worker processes fork from the server (``forkserver``)."""
-    cuda = is_local_cuda_cluster(cluster_class)
-    if (cuda or is_local_cpu_cluster(cluster_class)) and kwargs.get("processes", True):
-        stack.enter_context(forkserver.worker_processes(cuda))
+    if forks_workers(cluster_class, kwargs):
+        stack.enter_context(forkserver.worker_processes(is_local_cuda_cluster(cluster_class)))
     with dask.config.set(config):
         return stack.enter_context(cluster_class(**kwargs))
+
+
+def start_worker_processes_soon(runner: GPUDaskTaskRunner) -> None:
+    """As a flow run enters ``runner``: where its first task will start a local cluster,
+    start the fork server its workers fork from now. The server's imports then run while
+    the flow run begins and this process imports dask-cuda, not after."""
+    if runner._cluster is not None or runner.address or _host_cluster(runner) is not None:
+        return
+    if runner.cluster_class:
+        cuda = is_local_cuda_cluster(runner.cluster_class)
+        if forks_workers(runner.cluster_class, runner.cluster_kwargs):
+            forkserver.worker_start_method(cuda)
+    elif runner.cluster_kwargs.get("processes", True):
+        forkserver.worker_start_method(default_is_cuda())
 
 
 def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:

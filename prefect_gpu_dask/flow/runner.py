@@ -431,6 +431,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._on_ephemeral_api = share_ephemeral_api(self._exit_stack)
             # The flow run's end need not wait out its heartbeat thread's sleep.
             stop_flow_heartbeats_unjoined(_is_gpu_dask_runner)
+            try:
+                clusters.start_worker_processes_soon(self)
+            except Exception as exc:  # the first task starts it, or reports why it cannot
+                self.logger.debug("Could not start the worker processes' fork server early: %r", exc)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -179,6 +181,43 @@ def test_local_workers_fork_from_a_preloaded_server():
     parent, _ = _local_worker_parent_and_mark()
     # A spawned worker is the child of this process, where its Nanny runs.
     assert parent != os.getpid()
+
+
+ENTER_AND_REPORT = """
+import sys
+from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
+
+runner = GPUDaskTaskRunner(**eval(sys.argv[1]))
+with runner:
+    print(forkserver._fork_server_surroundings is not None, runner._client is None)
+"""
+
+
+@pytest.mark.parametrize(
+    "arguments, starts",
+    [
+        ({"cluster_kwargs": {"n_workers": 1}}, True),
+        ({"cluster_class": "distributed.LocalCluster"}, True),
+        ({"cluster_kwargs": {"processes": False}}, False),
+        ({"address": "tcp://127.0.0.1:9"}, False),
+        ({"cluster_class": "distributed.SSHCluster"}, False),
+    ],
+)
+def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_processes(
+    arguments, starts, tmp_path
+):
+    """A fresh process: its fork server starts as a flow run enters the runner, before
+    the first task starts the cluster, and only where that cluster will fork workers."""
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", ENTER_AND_REPORT, repr(arguments)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(starts), "True"], done.stderr
 
 
 def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch):
