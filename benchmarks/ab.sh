@@ -8,6 +8,8 @@
 # The command is a Python script path relative to a tree, and its arguments; each side runs
 # it from its own tree (after benchmarks/gpu_run.sh has installed /tmp/site). Output:
 # $OUT/ab-$LABEL.txt, each run headed "## run K-old|new", its JSON under $OUT/ab-$LABEL/.
+# FRESH_HOME=1: each run with a fresh PREFECT_HOME (a process's first flow run, on a new
+# embedded server), as benchmarks/probes/cold_start.py wants.
 set -uo pipefail
 : "${OLD:?OLD=<git archive of the older package>}"
 OUT=${OUT:-$PWD/gpu-out}
@@ -26,7 +28,9 @@ for ((round = 1; round <= ROUNDS; round++)); do
     tree=$PWD
     [ "$side" = old ] && tree=$old_tree
     echo "## run $round-$side" >> "$report"
-    (cd "$tree" && PYTHONPATH="$tree:$site" timeout -k 10 "$LIMIT" python3 "$@" \
+    home=()
+    [ "${FRESH_HOME:-0}" = 1 ] && home=("PREFECT_HOME=$(mktemp -d)")
+    (cd "$tree" && env "${home[@]}" PYTHONPATH="$tree:$site" timeout -k 10 "$LIMIT" python3 "$@" \
       --out "$OUT/ab-$LABEL/$round-$side") >> "$report" 2>&1
     echo "# exit $?" >> "$report"
   done
