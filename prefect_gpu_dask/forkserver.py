@@ -37,6 +37,8 @@ WORKER_PRELOAD = (
     "prefect_gpu_dask.worker.taskrun",
     "prefect_gpu_dask.worker.guard",
 )
+# Imported last, after the others: collects the server's heap and freezes it.
+FREEZE_HEAP = "prefect_gpu_dask.worker.fork_server_heap"
 
 
 _fork_server_lock = threading.Lock()
@@ -79,7 +81,7 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 # ImportError, would fail every worker start.
                 preload = [name for name in WORKER_PRELOAD if name in sys.modules or _ours(name)]
             try:
-                multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+                multiprocessing.get_context("forkserver").set_forkserver_preload([*preload, FREEZE_HEAP])
                 multiprocessing.forkserver.ensure_running()
             except Exception as exc:
                 logger.warning("Could not start a fork server (%r): spawning workers", exc)

@@ -10,7 +10,7 @@ from distributed import Client, Event, LocalCluster
 from prefect import flow, task
 from prefect.context import FlowRunContext
 
-from prefect_gpu_dask import GPUDaskTaskRunner
+from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
 from prefect_gpu_dask.worker.heap import WorkerHeap, freeze_due
 
 
@@ -40,6 +40,17 @@ def test_freeze_is_due_only_with_new_modules_and_no_task():
     assert freeze_due(modules=500, modules_at_last_freeze=0, executing=0)
     assert not freeze_due(modules=500, modules_at_last_freeze=500, executing=0)
     assert not freeze_due(modules=501, modules_at_last_freeze=500, executing=1)
+
+
+def test_a_worker_forked_from_the_server_starts_with_the_servers_heap_frozen(monkeypatch):
+    forkserver.worker_start_method()  # the server runs; earlier tests may have changed the environment
+    monkeypatch.setattr(forkserver, "_fork_server_surroundings", forkserver._surroundings())
+    with forkserver.worker_processes() as method:
+        assert method == "forkserver"
+        with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster:
+            with Client(cluster) as client:
+                # No WorkerHeap here: what is frozen came frozen from the server.
+                assert list(client.run(freeze_count).values())[0] > 1000
 
 
 def test_a_worker_freezes_at_setup_and_when_its_last_task_ends_never_during_one():
