@@ -5,6 +5,8 @@ Each worker start, and each restart of a leaking worker, skips seconds of import
 flow process uses it for the local clusters the runner starts
 (``flow.cluster``); a remote worker's nanny uses it through ``worker.nanny``. The
 server never touches CUDA or NVML, so every worker still makes its own CUDA context.
+Its last import freezes its heap (``worker.fork_server_heap``): a worker starts with
+what it inherited already out of full collections.
 """
 
 from __future__ import annotations

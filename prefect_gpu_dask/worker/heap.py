@@ -10,7 +10,9 @@ worker's last running task ends with modules imported since (the libraries a fir
 task loads), so later full collections skip what was there. Collecting first freezes
 no garbage. What is frozen and later becomes garbage in a reference cycle is never
 collected: for a process's imports and long-lived state that costs nothing, and a
-task's own objects are never frozen while it runs. A worker without a nanny may share
+task's own objects are never frozen while it runs. A worker forked from this package's
+fork server starts with the server's heap frozen already (``fork_server_heap``), so its
+first collection here is short. A worker without a nanny may share
 its process with the flow (``LocalCluster(processes=False)``): that process is the
 user's, so such a worker is left as it is.
 """
