@@ -89,7 +89,13 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 logger.warning("Could not start a fork server (%r): spawning workers", exc)
                 return configured
             _fork_server_surroundings = _surroundings()
-        return "forkserver" if _surroundings() == _fork_server_surroundings else "spawn"
+        if (now := _surroundings()) == _fork_server_surroundings:
+            return "forkserver"
+        logger.info(
+            "Spawning worker processes: %s changed since the fork server started",
+            _changes(_fork_server_surroundings, now),
+        )
+        return "spawn"
 
 
 @contextmanager
@@ -125,6 +131,14 @@ def _surroundings() -> tuple[dict[str, str], str]:
     (pytest rewrites one variable for every test; nothing a worker does reads it) and
     the working directory (Prefect reads its settings files there)."""
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, os.getcwd()
+
+
+def _changes(then: tuple[dict[str, str], str], now: tuple[dict[str, str], str]) -> str:
+    """What differs, by name only (values may be secrets)."""
+    (env_then, cwd_then), (env_now, cwd_now) = then, now
+    names = sorted(k for k in env_then.keys() | env_now.keys() if env_then.get(k) != env_now.get(k))
+    changed = [f"${name}" for name in names] + (["the working directory"] if cwd_then != cwd_now else [])
+    return ", ".join(changed)
 
 
 def _ours(module: str) -> bool:

@@ -220,12 +220,16 @@ def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_
     assert done.stdout.split() == [str(starts), "True"], done.stderr
 
 
-def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch):
+def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch, caplog):
     forkserver.worker_start_method()  # the fork server is running, with today's environment
     mark = uuid.uuid4().hex
     monkeypatch.setenv("PREFECT_GPU_DASK_TEST_MARK", mark)
-    parent, seen = _local_worker_parent_and_mark()
+    with caplog.at_level("INFO", logger=forkserver.__name__):
+        parent, seen = _local_worker_parent_and_mark()
     assert (parent, seen) == (os.getpid(), mark)
+    # Named, never valued: a variable may hold a secret.
+    assert "$PREFECT_GPU_DASK_TEST_MARK changed since the fork server started" in caplog.text
+    assert mark not in caplog.text
 
 
 def test_remote_workers_with_the_nanny_preload_fork_from_a_preloaded_server(dask_processes):
