@@ -569,3 +569,21 @@ def nvml_compute_processes_raw(hold_gil: bool = True) -> tuple[Any, Any] | None:
     function = nvml_raw("nvmlDeviceGetComputeRunningProcesses_v3", hold_gil)
     entry = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None)
     return None if function is None or entry is None else (function, entry)
+
+
+# -- Python's multiprocessing ----------------------------------------------------
+
+
+def stop_fork_server() -> None:
+    """Stop this process's ``multiprocessing`` fork server; the next fork request starts
+    a new one.
+
+    Used where the server was started ahead of the first local cluster and the flow's
+    environment changed before that cluster started: a new server, in the environment
+    the workers must see, keeps their start a fork. Public replacement: a public
+    ``multiprocessing.forkserver`` call that stops the server (only ``ForkServer._stop``,
+    there for CPython's own tests, exists in 3.10–3.13).
+    """
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver._forkserver._stop()

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import dask
 from distributed.proctitle import enable_proctitle_on_children
 
+from prefect_gpu_dask import _compat
+
 logger = logging.getLogger(__name__)
 
 START_METHOD_KEY = "distributed.worker.multiprocessing-method"
@@ -39,44 +41,49 @@ WORKER_PRELOAD = (
     "prefect_gpu_dask.worker.taskrun",
     "prefect_gpu_dask.worker.guard",
 )
-# Imported last, after the others: collects the server's heap and freezes it.
+# Imported last, after the others: freezes the server's heap.
 FREEZE_HEAP = "prefect_gpu_dask.worker.fork_server_heap"
 
 
 _fork_server_lock = threading.Lock()
 _fork_server_surroundings: tuple[dict[str, str], str] | None = None
 _forking_clusters = 0  # local clusters alive whose workers fork from the server
+_started_early = False  # by start_fork_server, and no cluster's workers forked from it yet
 _users_start_method = "spawn"  # the setting before the first of them
 
 
-def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None) -> str:
+def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None, early: bool = False) -> str:
     """How a local cluster started now should start its worker processes.
 
     ``forkserver`` when the user left Dask's default (``spawn``) and the server this
     package started would give workers what ``spawn`` gives them: a forked worker
     inherits the server's environment, and its imports read settings files in the
     server's working directory, so a variable or directory changed since the server
-    started means ``spawn`` for this cluster.
+    started means ``spawn`` for this cluster, and a warning; unless no worker forked from
+    a server started ``early`` (ahead of its cluster) yet: that one is replaced by a
+    server in today's environment. What a Nanny puts into this process's environment before its first worker
+    start goes in first, as the Nanny would: its pre-spawn variables and hash seed.
     ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own.
     ``preload``: what the server imports; by default those of ``WORKER_PRELOAD`` that
     this process has imported cleanly.
     """
-    global _fork_server_surroundings
+    global _fork_server_surroundings, _started_early
     with _fork_server_lock:
         configured = _users_start_method if _forking_clusters else dask.config.get(START_METHOD_KEY)
         if configured != "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
             return configured
-        if cuda:
-            os.environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster's __init__ does
+        os.environ.update(_worker_environ(cuda))
+        enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
+        if _started_early and _surroundings() != _fork_server_surroundings:
+            # No worker forked from it yet: a new server in today's environment costs
+            # what starting it now would have.
+            _started_early = False
+            try:
+                _compat.stop_fork_server()
+                _fork_server_surroundings = None
+            except Exception as exc:
+                logger.debug("Could not stop the fork server: %r", exc)
         if _fork_server_surroundings is None:
-            # What a Nanny puts into this process's environment before each spawn goes
-            # in first, as the Nanny would: its pre-spawn variables and hash seed.
-            configured_env = dask.config.get("distributed.nanny.pre-spawn-environ") or {}
-            pre_spawn = {k: os.environ.get(k, str(v)) for k, v in configured_env.items() if v is not None}
-            if pre_spawn.get("PYTHONHASHSEED") in (None, "0"):
-                pre_spawn["PYTHONHASHSEED"] = "6640"
-            os.environ.update(pre_spawn)
-            enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
             if preload is None:
                 # Only what imported cleanly here (this package's own modules import
                 # wherever it does): one module failing in the server, with anything but
@@ -89,13 +96,41 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 logger.warning("Could not start a fork server (%r): spawning workers", exc)
                 return configured
             _fork_server_surroundings = _surroundings()
+            _started_early = early
         if (now := _surroundings()) == _fork_server_surroundings:
             return "forkserver"
-        logger.info(
-            "Spawning worker processes: %s changed since the fork server started",
-            _changes(_fork_server_surroundings, now),
-        )
+        if not early:
+            logger.warning(
+                "Spawning this cluster's worker processes, which is slower than forking them: "
+                "%s changed since the fork server started",
+                _changes(_fork_server_surroundings, now),
+            )
         return "spawn"
+
+
+def start_fork_server(cuda: bool = False) -> None:
+    """Start the server now, ahead of the local cluster whose workers will fork from it,
+    and leave this process's environment as it was: the variables a Nanny sets before
+    its first worker start are set when that cluster starts, not before."""
+    saved = dict(os.environ)
+    try:
+        worker_start_method(cuda, early=True)
+    finally:
+        for name in os.environ.keys() - saved.keys():
+            del os.environ[name]
+        os.environ.update({name: value for name, value in saved.items() if os.environ.get(name) != value})
+
+
+def _worker_environ(cuda: bool) -> dict[str, str]:
+    """What a Nanny (and a ``LocalCUDACluster``) put into this process's environment
+    before starting a worker: a variable already set keeps its value."""
+    configured = dask.config.get("distributed.nanny.pre-spawn-environ") or {}
+    environ = {k: os.environ.get(k, str(v)) for k, v in configured.items() if v is not None}
+    if environ.get("PYTHONHASHSEED") in (None, "0"):
+        environ["PYTHONHASHSEED"] = "6640"
+    if cuda:
+        environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster's __init__ does
+    return environ
 
 
 @contextmanager
@@ -107,12 +142,13 @@ def worker_processes(cuda: bool = False) -> Iterator[str]:
     is alive, a cluster that should spawn (a changed environment) cannot: its workers
     fork too.
     """
-    global _forking_clusters, _users_start_method
+    global _forking_clusters, _users_start_method, _started_early
     method = worker_start_method(cuda)
     if method != "forkserver":
         yield method
         return
     with _fork_server_lock:
+        _started_early = False
         if _forking_clusters == 0:
             _users_start_method = dask.config.get(START_METHOD_KEY)
             dask.config.set({START_METHOD_KEY: "forkserver"})

@@ -174,14 +174,25 @@ def start_worker_processes_soon(runner: GPUDaskTaskRunner) -> None:
     """As a flow run enters ``runner``: where its first task will start a local cluster,
     start the fork server its workers fork from now. The server's imports then run while
     the flow run begins and this process imports dask-cuda, not after."""
-    if runner._cluster is not None or runner.address or _host_cluster(runner) is not None:
+    if runner._cluster is not None or runner.address or _has_default_client():
+        return
+    if _host_cluster(runner) is not None:
         return
     if runner.cluster_class:
-        cuda = is_local_cuda_cluster(runner.cluster_class)
         if forks_workers(runner.cluster_class, runner.cluster_kwargs):
-            forkserver.worker_start_method(cuda)
+            forkserver.start_fork_server(is_local_cuda_cluster(runner.cluster_class))
     elif runner.cluster_kwargs.get("processes", True):
-        forkserver.worker_start_method(default_is_cuda())
+        forkserver.start_fork_server(default_is_cuda())
+
+
+def _has_default_client() -> bool:
+    """A default client (the user's, or inside a Dask worker the parent's): prefect-dask
+    uses it instead of starting a cluster."""
+    try:
+        distributed.get_client()
+    except ValueError:
+        return False
+    return True
 
 
 def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:
@@ -236,13 +247,8 @@ def _host_cluster(runner: GPUDaskTaskRunner) -> HostCluster | None:
     """The user's host cluster, where this runner leaves the choice of cluster to us."""
     if not runner.settings.host_cluster or runner._cluster is not None or runner.address:
         return None
-    if runner.cluster_class or runner.cluster_kwargs or runner.adapt_kwargs:
+    if runner.cluster_class or runner.cluster_kwargs or runner.adapt_kwargs or _has_default_client():
         return None
-    try:
-        distributed.get_client()
-        return None  # a default client (inside a Dask worker: the parent's)
-    except ValueError:
-        pass
     try:
         return find_host_cluster()
     except PermissionError as exc:  # a file or directory someone else could have written
@@ -266,13 +272,8 @@ def _join_host_cluster(runner: GPUDaskTaskRunner, host: HostCluster) -> Any:
 def _start_cluster(runner: GPUDaskTaskRunner) -> None:
     if runner._cluster is not None and runner.adapt_kwargs:
         adapt(runner._cluster, runner.adapt_kwargs)  # the user's cluster, made adaptive
-    if runner._cluster is not None or runner.address:
+    if runner._cluster is not None or runner.address or _has_default_client():
         return
-    try:
-        distributed.get_client()
-        return  # a default client (inside a Dask worker: the parent's): prefect-dask uses it
-    except ValueError:
-        pass
     if runner.cluster_class:
         cluster_class = resolve_cluster_class(runner.cluster_class)
     else:

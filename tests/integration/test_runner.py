@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -184,40 +185,67 @@ def test_local_workers_fork_from_a_preloaded_server():
 
 
 ENTER_AND_REPORT = """
-import sys
+import json, os, sys
 from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
 
-runner = GPUDaskTaskRunner(**eval(sys.argv[1]))
+arguments = eval(sys.argv[1])
+if arguments.pop("default_client", False):  # the user's own, as in a notebook: prefect-dask uses it
+    import distributed
+
+    distributed.Client(processes=False, dashboard_address=":0")
+set_in_body = arguments.pop("set_in_body", False)
+runner = GPUDaskTaskRunner(**arguments)
+environ = dict(os.environ)
 with runner:
-    print(forkserver._fork_server_surroundings is not None, runner._client is None)
+    report = {
+        "server": forkserver._fork_server_surroundings is not None,
+        "environ_kept": dict(os.environ) == environ,  # the Nanny's variables come with the cluster
+        "client": runner._client is not None,
+    }
+    if set_in_body:  # as a flow's body may, before its first task
+        os.environ["PREFECT_GPU_DASK_TEST_MARK"] = "set in the body"
+    if report["server"]:
+        parents = runner.client.run(os.getppid).values()
+        report["forked"] = all(parent != os.getpid() for parent in parents)
+        report["seen"] = sorted(set(runner.client.run(os.environ.get, "PREFECT_GPU_DASK_TEST_MARK").values()))
+print(json.dumps(report))
 """
 
 
 @pytest.mark.parametrize(
     "arguments, starts",
     [
-        ({"cluster_kwargs": {"n_workers": 1}}, True),
-        ({"cluster_class": "distributed.LocalCluster"}, True),
+        ({"cluster_kwargs": {"n_workers": 1, "threads_per_worker": 1}}, True),
+        ({"cluster_class": "distributed.LocalCluster", "cluster_kwargs": {"n_workers": 1}}, True),
         ({"cluster_kwargs": {"processes": False}}, False),
         ({"address": "tcp://127.0.0.1:9"}, False),
         ({"cluster_class": "distributed.SSHCluster"}, False),
+        ({"default_client": True}, False),
+        ({"cluster_kwargs": {"n_workers": 1}, "set_in_body": True}, True),
     ],
 )
 def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_processes(
     arguments, starts, tmp_path
 ):
     """A fresh process: its fork server starts as a flow run enters the runner, before
-    the first task starts the cluster, and only where that cluster will fork workers."""
+    the first task starts the cluster, only where that cluster will fork workers, and
+    without touching the flow's environment; that cluster's workers then fork from it,
+    or from a new server where the body changed the environment before its first task."""
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", ENTER_AND_REPORT, repr(arguments)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(starts), "True"], done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["server"] is starts and report["environ_kept"] and not report["client"], report
+    if starts:  # a variable set in the body: the workers fork from a new server that has it
+        assert report["forked"], report
+        assert report["seen"] == (["set in the body"] if "set_in_body" in arguments else [None]), report
+        assert "Spawning" not in done.stderr
 
 
 def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch, caplog):
