@@ -11,11 +11,11 @@ import asyncio
 import os
 import statistics
 import sys
-import time
 
 # Appended: a tree named in PYTHONPATH comes first, for an A/B.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.common import p95, runs_of  # noqa: E402
 from prefect_gpu_dask.settings import RunnerSettings  # noqa: E402
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard  # noqa: E402
 from prefect_gpu_dask.worker.probe import AllocatorBytes, GPUIdentity, MemorySample  # noqa: E402
@@ -54,13 +54,8 @@ class Worker:
 
 
 def median_us(step, samples: int = SAMPLES) -> tuple[float, float]:
-    costs = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        step()
-        costs.append(time.perf_counter() - start)
-    costs.sort()
-    return statistics.median(costs) * 1e6, costs[int(0.95 * len(costs))] * 1e6
+    costs = runs_of(step, samples)
+    return statistics.median(costs) * 1e6, p95(costs) * 1e6
 
 
 if __name__ == "__main__":
