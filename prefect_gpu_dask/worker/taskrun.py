@@ -12,6 +12,8 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import cloudpickle
@@ -113,6 +115,18 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     return _cached(f"settings-{shared.token}", build)
 
 
+@contextmanager
+def _in_flow_run(settings: SettingsContext, clients: SyncClientContext) -> Iterator[None]:
+    """A flow run's settings and client as this thread's context. Set on the context
+    variables directly: one object serves all worker threads."""
+    settings_reset, clients_reset = _SETTINGS.set(settings), _CLIENTS.set(clients)
+    try:
+        yield
+    finally:
+        _CLIENTS.reset(clients_reset)
+        _SETTINGS.reset(settings_reset)
+
+
 def prepare_flow_run(shared_settings: Shared) -> None:
     """What a flow run's first task run on this worker would otherwise wait for: its
     settings and API client (``_settings_and_client``), Prefect's API log and event
@@ -121,15 +135,10 @@ def prepare_flow_run(shared_settings: Shared) -> None:
     block). Tasks arriving meanwhile wait for the same build (``_cached``), never make a
     second one."""
     try:
-        settings, clients = _settings_and_client(shared_settings)
-        settings_reset, clients_reset = _SETTINGS.set(settings), _CLIENTS.set(clients)
-        try:
+        with _in_flow_run(*_settings_and_client(shared_settings)):
             APILogWorker.instance()
             EventsWorker.instance()
             load_prefect_collections()
-        finally:
-            _CLIENTS.reset(clients_reset)
-            _SETTINGS.reset(settings_reset)
     except Exception:  # the first task run builds them then, and reports what fails
         logger.debug("Could not prepare this worker for a flow run", exc_info=True)
 
@@ -163,22 +172,17 @@ def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) ->
     if final is not None:  # its worker died after the run ended: the flow gets that state again
         return final
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
-    # Set the context variables directly: one object serves all worker threads.
-    settings_reset = _SETTINGS.set(settings)
-    clients_reset = _CLIENTS.set(clients)
-    try:
-        with _compat.tag_slot_requests_where(_tag_limits(shared_settings, clients).exists):
-            if task.isasync:
-                state = asyncio.run(
-                    run_task_async(task=task, context=context, return_type="state", **run_kwargs)
-                )
-            else:
-                state = run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
-        announce_end(state)  # before the result: a worker dying after it still told how it ended
-        return state
-    except WorkerDiedError as exc:
-        # The engine has recorded the crash; the flow gets the same state back.
-        return Crashed(message=str(exc))
-    finally:
-        _CLIENTS.reset(clients_reset)
-        _SETTINGS.reset(settings_reset)
+    with _in_flow_run(settings, clients):
+        try:
+            with _compat.tag_slot_requests_where(_tag_limits(shared_settings, clients).exists):
+                if task.isasync:
+                    state = asyncio.run(
+                        run_task_async(task=task, context=context, return_type="state", **run_kwargs)
+                    )
+                else:
+                    state = run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+            announce_end(state)  # before the result: a worker dying after it still told how it ended
+            return state
+        except WorkerDiedError as exc:
+            # The engine has recorded the crash; the flow gets the same state back.
+            return Crashed(message=str(exc))
