@@ -41,6 +41,10 @@ WORKER_PRELOAD = (
     "prefect_gpu_dask.worker.taskrun",
     "prefect_gpu_dask.worker.guard",
 )
+# What a CUDA worker imports as it starts (dask-cuda's preload), before it registers:
+# imported once here, it leaves each GPU worker's start only CUDA's own. Its import
+# makes no CUDA call, so workers still fork from a process that never initialised CUDA.
+CUDA_WORKER_PRELOAD = ("dask_cuda",)
 # Imported last, after the others: freezes the server's heap.
 FREEZE_HEAP = "prefect_gpu_dask.worker.fork_server_heap"
 
@@ -63,9 +67,9 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
     a server started ``early`` (ahead of its cluster) yet: that one is replaced by a
     server in today's environment. What a Nanny puts into this process's environment before its first worker
     start goes in first, as the Nanny would: its pre-spawn variables and hash seed.
-    ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own.
-    ``preload``: what the server imports; by default those of ``WORKER_PRELOAD`` that
-    this process has imported cleanly.
+    ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own,
+    and its workers import dask-cuda. ``preload``: what the server imports; by default
+    those of ``WORKER_PRELOAD`` that this process has imported cleanly.
     """
     global _fork_server_surroundings, _started_early
     with _fork_server_lock:
@@ -90,7 +94,8 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 # ImportError, would fail every worker start.
                 preload = [name for name in WORKER_PRELOAD if name in sys.modules or _ours(name)]
             try:
-                multiprocessing.get_context("forkserver").set_forkserver_preload([*preload, FREEZE_HEAP])
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload(server_preload(preload, cuda))
                 multiprocessing.forkserver.ensure_running()
             except Exception as exc:
                 logger.warning("Could not start a fork server (%r): spawning workers", exc)
@@ -106,6 +111,12 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 _changes(_fork_server_surroundings, now),
             )
         return "spawn"
+
+
+def server_preload(preload: Sequence[str], cuda: bool) -> list[str]:
+    """What the server imports, in order: ``preload``, then dask-cuda for CUDA workers,
+    then the heap freeze."""
+    return [*preload, *(CUDA_WORKER_PRELOAD if cuda else ()), FREEZE_HEAP]
 
 
 def start_fork_server(cuda: bool = False) -> None:

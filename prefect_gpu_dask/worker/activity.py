@@ -7,9 +7,10 @@ thread never makes them. One daemon thread per worker ("gpu-activity") reads the
 while guarded tasks run: at once when a task starts, then every ``TICK_S``. A task's
 energy is the counter's difference between the ticks inside it, stretched to its own
 start and end by the power there. Its start and end readings (power, temperature,
-throttle reasons) are the latest tick's while that is fresh, so in a stream of tasks
-the task thread makes no driver call at all; only after a quiet spell does it read
-them itself (microseconds each).
+throttle reasons) are the latest tick's while that is fresh; tasks too short to be
+open when the thread looks keep them fresh by a glance at those cheap readings alone.
+So in a stream of tasks, short ones too, the task thread makes no driver call at all;
+only after a quiet spell does it read them itself (microseconds each).
 
 ``ActivityWatch`` is pure bookkeeping over an ``ActivityReader``: NVML on a GPU
 (``NvmlActivity``), scripted answers in the tests.
@@ -17,6 +18,7 @@ them itself (microseconds each).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -75,9 +77,8 @@ class ActivityReader(Protocol):
     def device_utilization(self) -> int | None: ...
 
 
-@dataclass(frozen=True)
-class Activity:
-    """One task's GPU activity, for its record."""
+class Activity(NamedTuple):
+    """One task's GPU activity, for its record (a tuple: one is made per task)."""
 
     sm_util_mean: float | None
     sm_util_peak: float | None
@@ -87,6 +88,7 @@ class Activity:
     throttle_reasons: tuple[str, ...]
 
 
+@functools.cache  # a GPU shows few distinct masks, and every task asks
 def throttle_names(reasons: int) -> tuple[str, ...]:
     if not reasons:
         return ()
@@ -148,8 +150,9 @@ class ActivityWatch:
         self._wake = threading.Event()
         self._started = threading.Event()  # a task started: tick now
         self._thread: threading.Thread | None = None
-        self._last_tick = float("-inf")  # monotonic
+        self._last_tick = float("-inf")  # monotonic, of the last tick or glance
         self._latest: tuple[float, Tick] | None = None  # (monotonic time, tick) with a power reading
+        self._starts = 0  # tasks started so far: the thread tells a stream from a quiet spell
 
     @property
     def reader(self) -> ActivityReader:
@@ -170,6 +173,7 @@ class ActivityWatch:
             return
         with self._lock:
             self._open[ticket] = _Open(start)
+            self._starts += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpu-activity", daemon=True)
             self._thread.start()
@@ -197,6 +201,7 @@ class ActivityWatch:
         return judge(opened, end, device)
 
     def _run(self) -> None:
+        seen = 0  # self._starts at the last look
         while True:
             self._wake.wait()
             if not self._started.is_set():
@@ -206,12 +211,15 @@ class ActivityWatch:
             time.sleep(max(0.0, self._last_tick + self._tick_s / 5 - time.monotonic()))
             self._started.clear()
             with self._lock:
-                if not self._open:
+                busy, streaming, seen = bool(self._open), self._starts != seen, self._starts
+                if not busy and not streaming:
                     self._wake.clear()  # start() sets it again after adding its task
                     continue
             self._last_tick = time.monotonic()
             try:
-                tick = self._reader.tick()
+                # Tasks shorter than the look between ticks are rarely open when it comes:
+                # a glance keeps the readings their starts and ends take fresh.
+                tick = self._reader.tick() if busy else self._glance()
             except Exception as exc:  # a failing read must never break the worker
                 logger.debug("GPU activity reading failed: %r", exc)
                 time.sleep(self._tick_s)
@@ -221,6 +229,15 @@ class ActivityWatch:
             with self._lock:
                 for opened in self._open.values():
                     self._see(opened, tick)
+
+    def _glance(self) -> Tick:
+        """The readings a task's start and end take, without the slow ones."""
+        now = self._reader.instant()
+        try:
+            device = self._reader.device_utilization()
+        except Exception:
+            device = None
+        return Tick(now.time, None, now.temperature_c, now.reasons, (), None, now.power_mw, device)
 
     @staticmethod
     def _see(opened: _Open, tick: Tick) -> None:

@@ -456,7 +456,7 @@ _ROUNDED = {"sm_util_mean": 1, "sm_util_peak": 1, "energy_j": 3}
 
 
 def _activity_fields(activity: Activity) -> dict[str, Any]:
-    values = vars(activity)  # plain values only: no deep copy (asdict)
+    values = activity._asdict()
     return {k: v if k not in _ROUNDED or v is None else round(v, _ROUNDED[k]) for k, v in values.items()}
 
 

@@ -15,6 +15,7 @@ other than the default ``spawn`` is left as it is.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
 import dask
@@ -28,6 +29,8 @@ def installed(module: str) -> bool:
 
 
 def dask_setup(nanny: Any) -> None:
-    method = worker_start_method(preload=[name for name in WORKER_PRELOAD if installed(name)])
+    # ``dask cuda worker`` imported dask-cuda here: its workers import it too.
+    cuda = "dask_cuda" in sys.modules
+    method = worker_start_method(cuda, preload=[name for name in WORKER_PRELOAD if installed(name)])
     if method == "forkserver":
         dask.config.set({START_METHOD_KEY: method})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 from prefect import flow, task
@@ -34,6 +35,10 @@ def device_report() -> dict:
         "device": x.device.id,
         "sum": int(x.sum()),
         "pid": os.getpid(),
+        "parent": os.getppid(),
+        # dask-cuda imported in the fork server, not again in each worker: its CUDA bindings
+        # are loaded there (the worker's parent), where CUDA itself was never initialised.
+        "parent_loaded_cuda_bindings": "cuda/bindings" in Path(f"/proc/{os.getppid()}/maps").read_text(),
     }
 
 
@@ -114,6 +119,7 @@ def test_default_runner_starts_local_cuda_cluster_with_gpu_labels():
     assert report["array_type"] == "cupy.ndarray" and report["sum"] == 285
     assert report["resources"].get("GPU") == 1
     assert report["device"] == 0  # each worker sees its own GPU first
+    assert report["parent"] != os.getpid() and report["parent_loaded_cuda_bindings"], report
 
 
 def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():

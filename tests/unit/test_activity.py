@@ -164,3 +164,23 @@ def test_a_stream_of_tasks_does_not_wake_the_thread_for_each_one():
         time.sleep(0.01)
     assert reader.ticks > ticks
     watch.stop(1000)
+
+
+def test_a_stream_of_tasks_too_short_to_be_seen_open_reads_nothing_on_the_task_thread():
+    class Counting(CountingReader):
+        def device_utilization(self) -> int:
+            return 33
+
+    reader = Counting()
+    watch = ActivityWatch(reader, tick_s=0.25)
+    started = time.monotonic()
+    tickets = 0
+    while time.monotonic() - started < 1.0:  # each task open for microseconds, 2 ms apart
+        watch.start(tickets)
+        activity = watch.stop(tickets)
+        tickets += 1
+        time.sleep(0.002)
+    # The first start and end read for themselves, until the thread's first glance.
+    assert reader.instants < tickets / 10, (reader.instants, tickets)
+    assert (activity.sm_util_mean, activity.util_scope) == (33, DEVICE)
+    assert activity.energy_j is not None and activity.temperature_peak_c == 60
