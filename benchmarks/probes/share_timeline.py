@@ -1,0 +1,200 @@
+"""Where a ``gpu`` task's ``compute_on_gpus`` time goes on two or more GPUs, on the
+package's own path: the calling worker's steps (the graph optimised, split, the shares
+sent straight to their workers, the head start, its own share, each answer, the join)
+and each serving worker's (its share's start, compute and end), on one wall clock.
+The probe wraps ``worker/compute.py``'s functions in every worker for the run; the
+package itself times nothing. On a GPU host, the default runner's cluster:
+
+    python benchmarks/probes/share_timeline.py --runs 10
+    python benchmarks/probes/share_timeline.py --cpu --n 4000 --chunk 500   # no GPU: NumPy chunks
+"""
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+# Before Prefect is imported, as the seed flows do: the embedded server may start slowly.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from prefect import flow, task  # noqa: E402
+from prefect.context import FlowRunContext  # noqa: E402
+
+from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus  # noqa: E402
+
+WRAPPED = {  # (module, function) -> label
+    ("prefect_gpu_dask._compat", "finalized_graph"): "optimise",
+    ("prefect_gpu_dask.worker.compute", "split_graph"): "split",
+    ("prefect_gpu_dask.worker.compute", "_ask"): "send",
+    ("prefect_gpu_dask.worker.compute", "_head_start"): "head start",
+    ("prefect_gpu_dask.worker.compute", "_compute_part"): "share",
+    ("prefect_gpu_dask.worker.compute", "_answered"): "answer",
+    ("prefect_gpu_dask.worker.compute", "_run_part"): "served share",
+}
+
+
+def install() -> None:
+    """In a worker: time each function of ``WRAPPED`` into ``compute._probe_events``."""
+    import functools
+    import importlib
+
+    from prefect_gpu_dask.worker import compute
+
+    if hasattr(compute, "_probe_events"):
+        return
+    compute._probe_events = []
+    for (module_name, name), label in WRAPPED.items():
+        module = importlib.import_module(module_name)
+        inner = getattr(module, name)
+
+        def timed(*args, _inner=inner, _label=label, **kwargs):
+            thread = threading.current_thread().name
+            compute._probe_events.append((_label, "start", time.time(), thread))
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                compute._probe_events.append((_label, "end", time.time(), thread))
+
+        setattr(module, name, functools.wraps(inner)(timed))
+
+
+def collect() -> list:
+    from prefect_gpu_dask.worker import compute
+
+    events, compute._probe_events[:] = list(compute._probe_events), []
+    return events
+
+
+def the_cube(n: int, chunk: int, gpu: bool):
+    import dask.array as da
+
+    if gpu:
+        import cupy
+
+        random = da.random.RandomState(RandomState=cupy.random.RandomState)
+    else:
+        random = da.random.RandomState()
+    x = random.normal(10, 1, (n, n), chunks=chunk)
+    return (x[::2, ::2] + 1).mean()
+
+
+def cube_body(n: int, chunk: int, gpu: bool) -> float:
+    from prefect_gpu_dask.worker import compute
+
+    events = compute._probe_events
+    events.append(("task", "start", time.time(), threading.current_thread().name))
+    (mean,) = compute_on_gpus(the_cube(n, chunk, gpu))
+    mean = float(mean)
+    events.append(("task", "end", time.time(), threading.current_thread().name))
+    assert abs(mean - 11) < 0.01, mean
+    return mean
+
+
+def alone(n: int, chunk: int, gpu: bool) -> float:
+    """The cube on this worker's GPU alone, as ``compute_on_gpus`` runs a share: the
+    threads scheduler with the worker's thread count."""
+    import dask
+    from distributed import get_worker
+
+    start = time.perf_counter()
+    (mean,) = dask.compute(
+        the_cube(n, chunk, gpu), scheduler="threads", num_workers=get_worker().state.nthreads
+    )
+    assert abs(float(mean) - 11) < 0.01, mean
+    return time.perf_counter() - start
+
+
+@task(tags=["gpu"])
+def cube(n: int, chunk: int, gpu: bool = True) -> float:
+    return cube_body(n, chunk, gpu)
+
+
+def visible_gpu() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "cpu").split(",")[0]
+
+
+@flow(task_runner=GPUDaskTaskRunner())
+def timelines(runs: int, n: int, chunk: int, gpu: bool) -> tuple[list[dict[str, list]], dict[str, dict]]:
+    client = FlowRunContext.get().task_runner.client
+    client.run(install)
+    cube.submit(n, chunk, gpu).result()  # warm, on one of the workers
+    client.run(collect)
+    out = []
+    for _ in range(runs):
+        cube.submit(n, chunk, gpu).result()
+        out.append(client.run(collect))
+    # Each GPU alone, then the same call from a plain Dask task pinned to each worker.
+    per_gpu: dict[str, dict] = {}
+    for worker, name in sorted(client.run(visible_gpu).items(), key=lambda item: item[1]):
+
+        def on(fn, worker=worker):
+            return client.submit(fn, n, chunk, gpu, workers=[worker], pure=False).result()
+
+        on(alone)
+        times = [on(alone) for _ in range(runs)]
+        pinned = []
+        for _ in range(runs):
+            on(cube_body)
+            pinned.append(steps(client.run(collect)))
+        per_gpu[name] = {"alone_s": times, "calling": pinned}
+    return out, per_gpu
+
+
+def steps(run: dict[str, list]) -> dict[str, float]:
+    """Each step's start and end, seconds after the task's own start."""
+    caller = next(w for w, events in run.items() if any(e[0] == "task" for e in events))
+    t0 = next(t for label, edge, t, _ in run[caller] if (label, edge) == ("task", "start"))
+    out: dict[str, float] = {}
+    for worker, events in run.items():
+        side = "caller" if worker == caller else "server"
+        for label, edge, t, thread in events:
+            if label == "share" and thread.startswith("gpu-share"):
+                label = "served share's compute"
+            key = f"{side}: {label} {edge}"
+            # the first start and the last end of a step taken more than once
+            if edge == "start":
+                out[key] = min(out.get(key, t - t0), t - t0)
+            else:
+                out[key] = max(out.get(key, t - t0), t - t0)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--chunk", type=int, default=10_000)
+    parser.add_argument("--cpu", action="store_true", help="NumPy chunks: to try the probe without a GPU")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    runs, per_gpu = timelines(args.runs, args.n, args.chunk, not args.cpu)
+    runs = [steps(run) for run in runs]
+
+    def when(key: str) -> float:
+        return statistics.median(run.get(key, 0.0) for run in runs)
+
+    keys = sorted({key for run in runs for key in run}, key=when)
+    print(f"# {args.runs} runs of the speed-cube {args.n}², {args.chunk}² chunks; s after the task's start")
+    print(f"{'step':45s} {'median':>8s} {'min':>8s} {'max':>8s}")
+    for key in keys:
+        values = [run[key] for run in runs if key in run]
+        print(f"{key:45s} {statistics.median(values):8.4f} {min(values):8.4f} {max(values):8.4f}")
+    print("# each GPU: the cube alone on it (threads scheduler, the worker's threads), and its share's")
+    print("# compute when a plain Dask task pinned to its worker calls compute_on_gpus, against the other's")
+    for name, seen in per_gpu.items():
+        own = [r["caller: share end"] - r["caller: share start"] for r in seen["calling"]]
+        served = [
+            r["server: served share's compute end"] - r["server: served share's compute start"]
+            for r in seen["calling"]
+        ]
+        print(
+            f"GPU {name}: alone {statistics.median(seen['alone_s']):.4f} s; calling: its own share"
+            f" {statistics.median(own):.4f} s, the other GPU's served share {statistics.median(served):.4f} s"
+        )
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "share-timeline.json"), "w") as f:
+            json.dump({"n": args.n, "chunk": args.chunk, "runs": runs, "per_gpu": per_gpu}, f, indent=1)
