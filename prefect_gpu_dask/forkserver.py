@@ -41,10 +41,11 @@ WORKER_PRELOAD = (
     "prefect_gpu_dask.worker.taskrun",
     "prefect_gpu_dask.worker.guard",
 )
-# What a CUDA worker imports as it starts (dask-cuda's preload), before it registers:
-# imported once here, it leaves each GPU worker's start only CUDA's own. Its import
-# makes no CUDA call, so workers still fork from a process that never initialised CUDA.
-CUDA_WORKER_PRELOAD = ("dask_cuda",)
+# What a CUDA worker imports as it starts (dask-cuda, for its preload), before it
+# registers: imported once in the server, it leaves each GPU worker's start only CUDA's
+# own. The import makes no CUDA call, so workers still fork from a process that never
+# initialised CUDA.
+CUDA_WORKER_PRELOAD = ("prefect_gpu_dask.worker.fork_server_cuda",)
 # Imported last, after the others: freezes the server's heap.
 FREEZE_HEAP = "prefect_gpu_dask.worker.fork_server_heap"
 
@@ -53,6 +54,7 @@ _fork_server_lock = threading.Lock()
 _fork_server_surroundings: tuple[dict[str, str], str] | None = None
 _forking_clusters = 0  # local clusters alive whose workers fork from the server
 _started_early = False  # by start_fork_server, and no cluster's workers forked from it yet
+_fork_server_cuda = False  # the server imported what CUDA workers import
 _users_start_method = "spawn"  # the setting before the first of them
 
 
@@ -68,19 +70,22 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
     server in today's environment. What a Nanny puts into this process's environment before its first worker
     start goes in first, as the Nanny would: its pre-spawn variables and hash seed.
     ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own,
-    and its workers import dask-cuda. ``preload``: what the server imports; by default
+    and its workers import dask-cuda (a server without it, that no live cluster forks
+    from, is replaced by one with it). ``preload``: what the server imports; by default
     those of ``WORKER_PRELOAD`` that this process has imported cleanly.
     """
-    global _fork_server_surroundings, _started_early
+    global _fork_server_surroundings, _started_early, _fork_server_cuda
     with _fork_server_lock:
         configured = _users_start_method if _forking_clusters else dask.config.get(START_METHOD_KEY)
         if configured != "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
             return configured
         os.environ.update(_worker_environ(cuda))
         enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
-        if _started_early and _surroundings() != _fork_server_surroundings:
-            # No worker forked from it yet: a new server in today's environment costs
-            # what starting it now would have.
+        moved = _started_early and _surroundings() != _fork_server_surroundings
+        lacks_cuda = cuda and not _fork_server_cuda and not _forking_clusters
+        if _fork_server_surroundings is not None and (moved or lacks_cuda):
+            # No worker forked from it yet, or none of a cluster still alive: a new
+            # server in today's environment costs what starting it now would have.
             _started_early = False
             try:
                 _compat.stop_fork_server()
@@ -102,6 +107,7 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 return configured
             _fork_server_surroundings = _surroundings()
             _started_early = early
+            _fork_server_cuda = cuda
         if (now := _surroundings()) == _fork_server_surroundings:
             return "forkserver"
         if not early:

@@ -164,6 +164,12 @@ class DaskProcesses:
         self.procs.clear()
 
 
+def exit_with_module_loaded(name: str) -> None:
+    """For a process forked from the fork server: exit 0 where it inherited ``name``
+    imported, 3 where not."""
+    os._exit(0 if name in sys.modules else 3)
+
+
 def worker_process_state() -> tuple[int, int, bool]:
     """For ``Client.run``: a worker process's pid, its parent's, and whether it has
     imported Prefect's task engine (this module imports nothing of Prefect's)."""

@@ -150,7 +150,9 @@ class ActivityWatch:
         self._wake = threading.Event()
         self._started = threading.Event()  # a task started: tick now
         self._thread: threading.Thread | None = None
-        self._last_tick = float("-inf")  # monotonic, of the last tick or glance
+        self._last_tick = float("-inf")  # monotonic, of the last tick
+        self._last_look = float("-inf")  # monotonic, of the last tick or glance
+        self._glances = True  # False once a glance came without power: it keeps nothing fresh
         self._latest: tuple[float, Tick] | None = None  # (monotonic time, tick) with a power reading
         self._starts = 0  # tasks started so far: the thread tells a stream from a quiet spell
 
@@ -178,8 +180,9 @@ class ActivityWatch:
             self._thread = threading.Thread(target=self._run, name="gpu-activity", daemon=True)
             self._thread.start()
         # Waking the thread costs the task thread the GIL handoff: only when its last
-        # tick is old enough that a new one would be taken at once.
-        if time.monotonic() - self._last_tick > self._tick_s / 5:
+        # tick is old enough that a new one would be taken at once (a glance is no tick:
+        # a task that runs on gets its first tick as soon as after any other start).
+        if time.monotonic() - self._last_tick > self._tick_s / 5 and not self._started.is_set():
             self._started.set()
         if not self._wake.is_set():
             self._wake.set()
@@ -206,16 +209,18 @@ class ActivityWatch:
             self._wake.wait()
             if not self._started.is_set():
                 self._started.wait(self._tick_s)
-            # A start ticks at once, but never sooner than this after the last tick:
+            # A start ticks at once, but never sooner than this after the last reading:
             # a stream of short tasks must not keep the thread reading.
-            time.sleep(max(0.0, self._last_tick + self._tick_s / 5 - time.monotonic()))
+            time.sleep(max(0.0, self._last_look + self._tick_s / 5 - time.monotonic()))
             self._started.clear()
             with self._lock:
                 busy, streaming, seen = bool(self._open), self._starts != seen, self._starts
-                if not busy and not streaming:
+                if not busy and not (streaming and self._glances):
                     self._wake.clear()  # start() sets it again after adding its task
                     continue
-            self._last_tick = time.monotonic()
+            self._last_look = time.monotonic()
+            if busy:
+                self._last_tick = self._last_look
             try:
                 # Tasks shorter than the look between ticks are rarely open when it comes:
                 # a glance keeps the readings their starts and ends take fresh.
@@ -226,6 +231,8 @@ class ActivityWatch:
                 continue
             # Without power (a failed read), a task reads its own start and end instead.
             self._latest = (time.monotonic(), tick) if tick.power_mw is not None else None
+            if not busy and tick.power_mw is None:
+                self._glances = False
             with self._lock:
                 for opened in self._open.values():
                     self._see(opened, tick)

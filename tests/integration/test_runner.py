@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import distributed
 import pytest
@@ -246,6 +247,37 @@ def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_
         assert report["forked"], report
         assert report["seen"] == (["set in the body"] if "set_in_body" in arguments else [None]), report
         assert "Spawning" not in done.stderr
+
+
+CUDA_AFTER_CPU = """
+import multiprocessing
+from prefect_gpu_dask import forkserver
+from tests.conftest import exit_with_module_loaded
+
+methods = [forkserver.worker_start_method(cuda=False), forkserver.worker_start_method(cuda=True)]
+child = multiprocessing.get_context("forkserver").Process(
+    target=exit_with_module_loaded, args=(forkserver.CUDA_WORKER_PRELOAD[0],)
+)
+child.start()
+child.join(120)
+print(*methods, child.exitcode)
+"""
+
+
+def test_a_cuda_cluster_after_a_cpu_one_forks_from_a_server_that_imported_dask_cuda():
+    """A fresh process: a CPU cluster's server lacks what CUDA workers import, and a
+    CUDA cluster's variable changes the environment; with no cluster forking from that
+    server any more, the CUDA cluster gets a new server, and its workers fork from it
+    (on a machine without dask-cuda its import fails there, and the server stays up)."""
+    done = subprocess.run(
+        [sys.executable, "-c", CUDA_AFTER_CPU],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["forkserver", "forkserver", "0"], (done.stdout, done.stderr)
 
 
 def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch, caplog):

@@ -8,7 +8,16 @@ import time
 
 import pytest
 
-from prefect_gpu_dask.worker.activity import DEVICE, PROCESS, ActivityWatch, Instant, Tick, _Open, judge
+from prefect_gpu_dask.worker.activity import (
+    DEVICE,
+    PROCESS,
+    Activity,
+    ActivityWatch,
+    Instant,
+    Tick,
+    _Open,
+    judge,
+)
 
 
 def test_energy_is_the_counter_between_ticks_stretched_to_the_task_by_its_power():
@@ -166,21 +175,56 @@ def test_a_stream_of_tasks_does_not_wake_the_thread_for_each_one():
     watch.stop(1000)
 
 
-def test_a_stream_of_tasks_too_short_to_be_seen_open_reads_nothing_on_the_task_thread():
-    class Counting(CountingReader):
-        def device_utilization(self) -> int:
-            return 33
+class ThreadCountingReader(Reader):
+    """``Reader`` that counts the readings task threads (not the watch's own) take."""
 
-    reader = Counting()
-    watch = ActivityWatch(reader, tick_s=0.25)
-    started = time.monotonic()
-    tickets = 0
-    while time.monotonic() - started < 1.0:  # each task open for microseconds, 2 ms apart
-        watch.start(tickets)
-        activity = watch.stop(tickets)
-        tickets += 1
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_task_threads = 0
+
+    def instant(self) -> Instant:
+        if threading.current_thread().name != "gpu-activity":
+            self.on_task_threads += 1
+        return super().instant()
+
+    def device_utilization(self) -> int:
+        if threading.current_thread().name != "gpu-activity":
+            self.on_task_threads += 1
+        return 33
+
+
+def stream(watch: ActivityWatch, seconds: float, first: int = 0) -> tuple[int, Activity]:
+    """Tasks open for microseconds, 2 ms apart, for ``seconds``; how many, and the last one's."""
+    ticket, until = first, time.monotonic() + seconds
+    while time.monotonic() < until:
+        watch.start(ticket)
+        activity = watch.stop(ticket)
+        ticket += 1
         time.sleep(0.002)
-    # The first start and end read for themselves, until the thread's first glance.
-    assert reader.instants < tickets / 10, (reader.instants, tickets)
+    return ticket - first, activity
+
+
+def test_a_stream_of_tasks_too_short_to_be_seen_open_reads_nothing_on_the_task_thread():
+    reader = ThreadCountingReader()
+    watch = ActivityWatch(reader, tick_s=1.0)
+    stream(watch, 0.05)  # until the thread's first glance, tasks read for themselves
+    deadline = time.monotonic() + 5
+    while watch._fresh() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    read_before = reader.on_task_threads
+    tasks, activity = stream(watch, 1.0, first=10_000)
+    assert reader.on_task_threads - read_before <= 2, (reader.on_task_threads - read_before, tasks)
+    assert reader.ticks == 0  # no task was open when the thread looked: glances only
     assert (activity.sm_util_mean, activity.util_scope) == (33, DEVICE)
     assert activity.energy_j is not None and activity.temperature_peak_c == 60
+
+
+def test_a_task_that_runs_on_after_a_stream_is_ticked_at_once():
+    reader = ThreadCountingReader()
+    watch = ActivityWatch(reader, tick_s=0.25)
+    stream(watch, 0.3)
+    watch.start(-1)  # runs on: its first tick comes as soon as after any other start
+    time.sleep(0.15)
+    activity = watch.stop(-1)
+    assert reader.ticks >= 1
+    assert (activity.sm_util_mean, activity.util_scope) == (90, PROCESS)

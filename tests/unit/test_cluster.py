@@ -56,7 +56,7 @@ def test_started_clusters_sample_profiles_coarser_unless_the_user_chose_an_inter
 
 
 def test_the_fork_server_imports_dask_cuda_only_for_cuda_workers_and_freezes_its_heap_last():
-    from prefect_gpu_dask.forkserver import FREEZE_HEAP, server_preload
+    from prefect_gpu_dask.forkserver import CUDA_WORKER_PRELOAD, FREEZE_HEAP, server_preload
 
-    assert server_preload(["prefect"], cuda=True) == ["prefect", "dask_cuda", FREEZE_HEAP]
+    assert server_preload(["prefect"], cuda=True) == ["prefect", *CUDA_WORKER_PRELOAD, FREEZE_HEAP]
     assert server_preload(["prefect"], cuda=False) == ["prefect", FREEZE_HEAP]
