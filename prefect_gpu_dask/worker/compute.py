@@ -2,9 +2,10 @@
 
 A task that holds the worker's ``GPU`` slot and then waits for its own chunks would
 deadlock if the chunks needed that slot or that thread. Here the chunks carry no
-resource annotation, and the waiting thread leaves the worker's pool
+resource annotation, and a thread that waits for other workers leaves the worker's pool
 (``worker_client`` secedes), so the chunks spread over every GPU worker of the
-cluster, this one included.
+cluster, this one included. On the only GPU worker the thread keeps its slot and runs
+the graph itself: nothing to wait for, and no wait to rejoin the pool after.
 
 How they spread: a GPU chunk often holds only milliseconds of kernel time, so the
 distributed scheduler's per-task round trip (~1 ms, under the worker's GIL) is what
@@ -41,7 +42,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle, to_serialize
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
+from prefect_gpu_dask.resources import uses_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +79,48 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     if worker is None:
         return dask.compute(*collections, **compute_kwargs)
     me = worker.address
-    with distributed.worker_client() as client:
-        identity = scheduler_identity(client)["workers"]
-        workers = gpu_workers(identity)
-        if workers == [me]:
+    client = distributed.get_client()  # the worker's own; this thread keeps its pool slot for now
+    # The scheduler's answer travels while this thread builds the graph.
+    asked = asyncio.run_coroutine_threadsafe(_gpu_workers_now(client), client.loop.asyncio_loop)
+    built = None
+    if not compute_kwargs:
+        with dask.config.set(TASKS_BASED):
+            built = _built(collections)
+    workers, serving = _waited(asked).result()
+    if workers == [me]:  # the only GPU: the graph runs in this thread's threads, no secession
+        if built is None:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(
                     *collections, scheduler="threads", num_workers=_threads(), **compute_kwargs
                 )
-        if not compute_kwargs:
-            with dask.config.set(TASKS_BASED):
-                split = _split_compute(client, me, workers, serving_shares(identity), collections)
+        graph, keys, repack = built
+        return repack(dask.threaded.get(graph, keys, num_workers=_threads()) if keys else [])
+    with distributed.worker_client() as client:  # secedes: this thread waits on other workers
+        if built is not None:
+            split = _split_compute(client, me, workers, serving, *built)
             if split is not None:
                 return split
         # GPU workers preferred, not required: one restarting must not strand the graph.
         placement = {"workers": workers, "allow_other_workers": True}
         futures = client.compute(list(collections), **{**placement, **compute_kwargs})
         return tuple(client.gather(futures))
+
+
+async def _gpu_workers_now(client: Any) -> tuple[list[str], set[str]]:
+    identity = await client.scheduler.identity(n_workers=-1)
+    return gpu_workers(identity["workers"]), serving_shares(identity["workers"])
+
+
+def _built(collections: tuple[Any, ...]) -> tuple[dict[Hashable, Any], list[Hashable], Any]:
+    """The optimised graph ``dask.compute`` would run, its output keys, and the function
+    that packs their values back into the collections' shape."""
+    from dask.base import unpack_collections
+
+    unpacked, repack = unpack_collections(*collections)
+    if not unpacked:
+        return {}, [], repack
+    graph, keys = _compat.finalized_graph(unpacked)
+    return graph, keys, repack
 
 
 def serving_shares(workers: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -104,14 +130,16 @@ def serving_shares(workers: Mapping[str, Mapping[str, Any]]) -> set[str]:
 
 
 def _split_compute(
-    client: Any, me: str, workers: list[str], serving: set[str], collections: tuple[Any, ...]
+    client: Any,
+    me: str,
+    workers: list[str],
+    serving: set[str],
+    graph: dict[Hashable, Any],
+    keys: list[Hashable],
+    repack: Any,
 ) -> tuple[Any, ...] | None:
-    from dask.base import unpack_collections
-
-    unpacked, repack = unpack_collections(*collections)
-    if not unpacked:
-        return collections
-    graph, keys = _compat.finalized_graph(unpacked)
+    if not keys:
+        return repack([])
     plan = split_graph(graph, keys, len(workers))
     if plan is None:
         return None
@@ -188,14 +216,20 @@ def _ask(
     return answer, written
 
 
+def _waited(future: concurrent.futures.Future) -> concurrent.futures.Future:
+    """``future``, once done: waited for in slices, so that Prefect's timeout and
+    cancellation reach this thread between them."""
+    while not future.done():
+        concurrent.futures.wait([future], timeout=ANSWER_POLL_S)
+    return future
+
+
 def _answered(answer: concurrent.futures.Future) -> Any:
     """A share's values from its worker's answer, its own error raised here, or
     ``_NOT_SERVED`` where no answer came (the connection failed, the worker does not
     serve shares or declined, the answer did not read back)."""
-    while not answer.done():  # in slices: Prefect's timeout and cancellation reach this thread between them
-        concurrent.futures.wait([answer], timeout=ANSWER_POLL_S)
     try:
-        reply = answer.result()
+        reply = _waited(answer).result()
     except Exception as exc:
         logger.debug("A share sent straight to a worker came back without an answer: %r", exc)
         return _NOT_SERVED

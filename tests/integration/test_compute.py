@@ -140,6 +140,36 @@ def test_a_graph_that_does_not_split_still_spreads_over_both_workers(two_workers
     assert len({t["worker"] for t in stream.data}) == 2
 
 
+def slow_sum_marking_its_start(flag: str) -> tuple[float, float]:
+    def block(b):
+        open(flag, "w").close()
+        time.sleep(1.0)
+        return b
+
+    (total,) = compute_on_gpus(da.ones((10,), chunks=10).map_blocks(block).sum())
+    return float(total), time.time()
+
+
+def started_at() -> float:
+    return time.time()
+
+
+def test_on_the_only_worker_the_graph_runs_in_the_callers_thread_slot(tmp_path):
+    # The caller does not secede: another task cannot take its slot, so the caller
+    # never waits for that task to end before it can rejoin the pool.
+    flag = str(tmp_path / "started")
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            summed = client.submit(slow_sum_marking_its_start, flag, pure=False)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            other = client.submit(started_at, pure=False)
+            (total, ended), other_started = summed.result(timeout=60), other.result(timeout=60)
+    assert total == 10
+    assert other_started >= ended
+
+
 def test_a_caller_without_a_gpu_sends_the_graph_to_the_only_gpu_worker(remote_cluster):
     with Client(remote_cluster.address) as client:
         by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
