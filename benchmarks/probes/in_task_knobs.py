@@ -1,8 +1,8 @@
 """Why the speed-cube inside a gpu task on one GPU is slower than raw Dask threads in
 the flow process. Alternates, on one GPU worker of a LocalCUDACluster with the memory
 guard registered as the runner does: compute_on_gpus bare; inside guard.begin()/end()
-with peak readings every 5 ms or backing off to 100 ms; the threads scheduler with 16
-threads or the host's core count instead of the worker's; and, outside the cluster,
+with peak readings every 5 ms or backing off to 100 ms; the threads scheduler with the
+worker's 8 threads (compute_on_gpus's own cost apart), 16, or the host's core count; and, outside the cluster,
 raw Dask threads in this process."""
 
 import os
@@ -46,6 +46,7 @@ def variants_in_worker():
         "compute_on_gpus": bare,
         "guarded, peaks every 5 ms": guarded(0.005),
         "guarded, peaks back off": guarded(0.1),
+        "threads=8 (the worker's)": threads(8),
         "threads=16": threads(16),
         f"threads={os.cpu_count()} (host cores)": threads(os.cpu_count()),
     }
