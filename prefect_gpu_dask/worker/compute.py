@@ -37,6 +37,7 @@ from typing import Any
 import dask
 import distributed
 from dask.sizeof import sizeof
+from dask.system import CPU_COUNT
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle, to_serialize
@@ -91,10 +92,10 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         if built is None:
             with dask.config.set(TASKS_BASED):
                 return dask.compute(
-                    *collections, scheduler="threads", num_workers=_threads(), **compute_kwargs
+                    *collections, **{"scheduler": "threads", "num_workers": _pool_size(), **compute_kwargs}
                 )
         graph, keys, repack = built
-        return repack(dask.threaded.get(graph, keys, num_workers=_threads()) if keys else [])
+        return repack(dask.threaded.get(graph, keys, num_workers=_pool_size()) if keys else [])
     with distributed.worker_client() as client:  # secedes: this thread waits on other workers
         if built is not None:
             split = _split_compute(client, me, workers, serving, *built)
@@ -319,6 +320,17 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
         time.monotonic() < deadline
     ):
         await asyncio.sleep(SEND_POLL_S)
+
+
+def _pool_size() -> int:
+    """Threads for a graph on the only GPU worker: as many as Dask's threads scheduler
+    would use (the cores this process may run on), and never fewer than the worker has.
+
+    The graph's chunks are the calling task's own, on the GPU it holds; the worker's
+    thread count limits how many tasks run at once, not how one task's chunks launch.
+    A caller passes ``num_workers=`` to choose.
+    """
+    return max(_threads(), CPU_COUNT)
 
 
 def _threads() -> int:

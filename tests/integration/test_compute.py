@@ -170,6 +170,28 @@ def test_on_the_only_worker_the_graph_runs_in_the_callers_thread_slot(tmp_path):
     assert other_started >= ended
 
 
+def threads_running_blocks(**compute_kwargs) -> int:
+    import threading
+
+    def block(b):
+        time.sleep(0.3)  # long enough that every pool thread takes a block
+        return np.array([threading.get_ident()])
+
+    x = da.zeros((8,), chunks=1).map_blocks(block, dtype=int)
+    (idents,) = compute_on_gpus(x, **compute_kwargs)
+    return len(set(idents.tolist()))
+
+
+@pytest.mark.skipif(dask.system.CPU_COUNT < 2, reason="needs two cores to tell the pool sizes apart")
+def test_on_the_only_worker_the_graph_uses_the_cores_or_num_workers_threads():
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            cores = client.submit(threads_running_blocks, pure=False).result(timeout=60)
+            chosen = client.submit(threads_running_blocks, num_workers=1, pure=False).result(timeout=60)
+    assert cores == min(8, dask.system.CPU_COUNT)
+    assert chosen == 1
+
+
 def test_a_caller_without_a_gpu_sends_the_graph_to_the_only_gpu_worker(remote_cluster):
     with Client(remote_cluster.address) as client:
         by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
