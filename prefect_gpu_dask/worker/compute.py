@@ -43,7 +43,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle, to_serialize
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.resources import uses_gpu
+from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -80,48 +80,22 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     if worker is None:
         return dask.compute(*collections, **compute_kwargs)
     me = worker.address
-    client = distributed.get_client()  # the worker's own; this thread keeps its pool slot for now
-    # The scheduler's answer travels while this thread builds the graph.
-    asked = asyncio.run_coroutine_threadsafe(_gpu_workers_now(client), client.loop.asyncio_loop)
-    built = None
-    if not compute_kwargs:
+    identity = scheduler_identity(distributed.get_client())["workers"]
+    workers = gpu_workers(identity)
+    if workers == [me]:  # the only GPU: the graph runs in this thread's slot, no secession
         with dask.config.set(TASKS_BASED):
-            built = _built(collections)
-    workers, serving = _waited(asked).result()
-    if workers == [me]:  # the only GPU: the graph runs in this thread's threads, no secession
-        if built is None:
-            with dask.config.set(TASKS_BASED):
-                return dask.compute(
-                    *collections, **{"scheduler": "threads", "num_workers": _pool_size(), **compute_kwargs}
-                )
-        graph, keys, repack = built
-        return repack(dask.threaded.get(graph, keys, num_workers=_pool_size()) if keys else [])
+            threads = {"scheduler": "threads", "num_workers": _pool_size()}
+            return dask.compute(*collections, **{**threads, **compute_kwargs})
     with distributed.worker_client() as client:  # secedes: this thread waits on other workers
-        if built is not None:
-            split = _split_compute(client, me, workers, serving, *built)
+        if not compute_kwargs:
+            with dask.config.set(TASKS_BASED):
+                split = _split_compute(client, me, workers, serving_shares(identity), collections)
             if split is not None:
                 return split
         # GPU workers preferred, not required: one restarting must not strand the graph.
         placement = {"workers": workers, "allow_other_workers": True}
         futures = client.compute(list(collections), **{**placement, **compute_kwargs})
         return tuple(client.gather(futures))
-
-
-async def _gpu_workers_now(client: Any) -> tuple[list[str], set[str]]:
-    identity = await client.scheduler.identity(n_workers=-1)
-    return gpu_workers(identity["workers"]), serving_shares(identity["workers"])
-
-
-def _built(collections: tuple[Any, ...]) -> tuple[dict[Hashable, Any], list[Hashable], Any]:
-    """The optimised graph ``dask.compute`` would run, its output keys, and the function
-    that packs their values back into the collections' shape."""
-    from dask.base import unpack_collections
-
-    unpacked, repack = unpack_collections(*collections)
-    if not unpacked:
-        return {}, [], repack
-    graph, keys = _compat.finalized_graph(unpacked)
-    return graph, keys, repack
 
 
 def serving_shares(workers: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -131,16 +105,14 @@ def serving_shares(workers: Mapping[str, Mapping[str, Any]]) -> set[str]:
 
 
 def _split_compute(
-    client: Any,
-    me: str,
-    workers: list[str],
-    serving: set[str],
-    graph: dict[Hashable, Any],
-    keys: list[Hashable],
-    repack: Any,
+    client: Any, me: str, workers: list[str], serving: set[str], collections: tuple[Any, ...]
 ) -> tuple[Any, ...] | None:
-    if not keys:
-        return repack([])
+    from dask.base import unpack_collections
+
+    unpacked, repack = unpack_collections(*collections)
+    if not unpacked:
+        return collections
+    graph, keys = _compat.finalized_graph(unpacked)
     plan = split_graph(graph, keys, len(workers))
     if plan is None:
         return None
@@ -217,20 +189,14 @@ def _ask(
     return answer, written
 
 
-def _waited(future: concurrent.futures.Future) -> concurrent.futures.Future:
-    """``future``, once done: waited for in slices, so that Prefect's timeout and
-    cancellation reach this thread between them."""
-    while not future.done():
-        concurrent.futures.wait([future], timeout=ANSWER_POLL_S)
-    return future
-
-
 def _answered(answer: concurrent.futures.Future) -> Any:
     """A share's values from its worker's answer, its own error raised here, or
     ``_NOT_SERVED`` where no answer came (the connection failed, the worker does not
     serve shares or declined, the answer did not read back)."""
+    while not answer.done():  # in slices: Prefect's timeout and cancellation reach this thread between them
+        concurrent.futures.wait([answer], timeout=ANSWER_POLL_S)
     try:
-        reply = _waited(answer).result()
+        reply = answer.result()
     except Exception as exc:
         logger.debug("A share sent straight to a worker came back without an answer: %r", exc)
         return _NOT_SERVED
