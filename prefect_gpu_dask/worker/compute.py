@@ -2,10 +2,9 @@
 
 A task that holds the worker's ``GPU`` slot and then waits for its own chunks would
 deadlock if the chunks needed that slot or that thread. Here the chunks carry no
-resource annotation, and a thread that waits for other workers leaves the worker's pool
+resource annotation, and the waiting thread leaves the worker's pool
 (``worker_client`` secedes), so the chunks spread over every GPU worker of the
-cluster, this one included. On the only GPU worker the thread keeps its slot and runs
-the graph itself: nothing to wait for, and no wait to rejoin the pool after.
+cluster, this one included.
 
 How they spread: a GPU chunk often holds only milliseconds of kernel time, so the
 distributed scheduler's per-task round trip (~1 ms, under the worker's GIL) is what
@@ -35,6 +34,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 import dask
+import dask.threaded
 import distributed
 from dask.sizeof import sizeof
 from dask.system import CPU_COUNT
@@ -80,13 +80,15 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
     if worker is None:
         return dask.compute(*collections, **compute_kwargs)
     me = worker.address
-    identity = scheduler_identity(distributed.get_client())["workers"]
-    workers = gpu_workers(identity)
-    if workers == [me]:  # the only GPU: the graph runs in this thread's slot, no secession
-        with dask.config.set(TASKS_BASED):
-            threads = {"scheduler": "threads", "num_workers": _pool_size()}
-            return dask.compute(*collections, **{**threads, **compute_kwargs})
-    with distributed.worker_client() as client:  # secedes: this thread waits on other workers
+    with distributed.worker_client() as client:
+        identity = scheduler_identity(client)["workers"]
+        workers = gpu_workers(identity)
+        if workers == [me]:
+            in_place = {"scheduler": "threads"}
+            if "num_workers" not in compute_kwargs:
+                in_place["pool"] = in_place_pool()
+            with dask.config.set(TASKS_BASED):
+                return dask.compute(*collections, **{**in_place, **compute_kwargs})
         if not compute_kwargs:
             with dask.config.set(TASKS_BASED):
                 split = _split_compute(client, me, workers, serving_shares(identity), collections)
@@ -288,15 +290,28 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
         await asyncio.sleep(SEND_POLL_S)
 
 
-def _pool_size() -> int:
-    """Threads for a graph on the only GPU worker: as many as Dask's threads scheduler
-    would use (the cores this process may run on), and never fewer than the worker has.
+# dask's own threads-scheduler pool where this dask has it: chunks see the caller's
+# contextvars (get_worker() among them); older dask's pools were plain.
+_ContextPool = getattr(dask.threaded, "ContextAwareThreadPoolExecutor", concurrent.futures.ThreadPoolExecutor)
+_in_place_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_in_place_lock = threading.Lock()
 
-    The graph's chunks are the calling task's own, on the GPU it holds; the worker's
-    thread count limits how many tasks run at once, not how one task's chunks launch.
-    A caller passes ``num_workers=`` to choose.
+
+def in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that run a graph on the cluster's only GPU worker: as many as Dask's
+    threads scheduler would use (the cores), never fewer than the worker has.
+
+    One pool per worker process, not one per calling thread as Dask would make: the
+    graph's chunks are the calling task's own (the worker's thread count limits how many
+    tasks run at once, not how one task's chunks launch), tasks at once share the cores,
+    and the threads live on between tasks with their CUDA libraries' handles.
     """
-    return max(_threads(), CPU_COUNT)
+    size = max(_threads(), CPU_COUNT)
+    with _in_place_lock:
+        pool = _in_place_pools.get(size)
+        if pool is None:
+            pool = _in_place_pools[size] = _ContextPool(size, thread_name_prefix="gpu-graph")
+        return pool
 
 
 def _threads() -> int:
