@@ -86,7 +86,7 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         if workers == [me]:
             in_place = {"scheduler": "threads"}
             if "num_workers" not in compute_kwargs:
-                in_place["pool"] = in_place_pool()
+                in_place["pool"] = _in_place_pool()
             with dask.config.set(TASKS_BASED):
                 return dask.compute(*collections, **{**in_place, **compute_kwargs})
         if not compute_kwargs:
@@ -293,11 +293,9 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
 # dask's own threads-scheduler pool where this dask has it: chunks see the caller's
 # contextvars (get_worker() among them); older dask's pools were plain.
 _ContextPool = getattr(dask.threaded, "ContextAwareThreadPoolExecutor", concurrent.futures.ThreadPoolExecutor)
-_in_place_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_in_place_lock = threading.Lock()
 
 
-def in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
+def _in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The threads that run a graph on the cluster's only GPU worker: as many as Dask's
     threads scheduler would use (the cores), never fewer than the worker has.
 
@@ -306,12 +304,12 @@ def in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
     tasks run at once, not how one task's chunks launch), tasks at once share the cores,
     and the threads live on between tasks with their CUDA libraries' handles.
     """
-    size = max(_threads(), CPU_COUNT)
-    with _in_place_lock:
-        pool = _in_place_pools.get(size)
-        if pool is None:
-            pool = _in_place_pools[size] = _ContextPool(size, thread_name_prefix="gpu-graph")
-        return pool
+    return _pool_of(max(_threads(), CPU_COUNT))
+
+
+@functools.cache
+def _pool_of(size: int) -> concurrent.futures.ThreadPoolExecutor:
+    return _ContextPool(size, thread_name_prefix="gpu-graph")
 
 
 def _threads() -> int:
