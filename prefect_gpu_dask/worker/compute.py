@@ -296,8 +296,8 @@ _ContextPool = getattr(dask.threaded, "ContextAwareThreadPoolExecutor", concurre
 
 
 def _in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that run a graph on the cluster's only GPU worker: as many as Dask's
-    threads scheduler would use (the cores), never fewer than the worker has.
+    """The threads that run a graph, or one GPU's share of it, on a GPU worker: as many
+    as Dask's threads scheduler would use (the cores), never fewer than the worker has.
 
     One pool per worker process, not one per calling thread as Dask would make: the
     graph's chunks are the calling task's own (the worker's thread count limits how many
@@ -319,7 +319,7 @@ def _threads() -> int:
 
 def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:
     # The graph was built under TASKS_BASED on the caller: nothing left to configure here.
-    return dask.threaded.get(part, outputs, num_workers=_threads())
+    return dask.threaded.get(part, outputs, pool=_in_place_pool())
 
 
 def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hashable, Any]:

@@ -366,12 +366,21 @@ class GPUMemoryGuard(WorkerPlugin):
         self.recycling.hand(record, quarantined, restart or self.settings.restart)
 
 
+# Names of the pools a task's chunks run on: the threads scheduler's (dask's default
+# names), ``compute_on_gpus``'s graph pool and its share server's.
+POOL_THREAD_PREFIXES = ("ThreadPoolExecutor-", "gpu-graph", "gpu-share")
+
+
 def _pool_threads() -> frozenset[threading.Thread]:
-    """Threads that may make library handles for a task: the threads scheduler's pools
-    (not daemons). Daemon threads are left out: services (Prefect's log and event
-    workers, this guard's sampler) start them when they please, and Dask's own worker
-    threads, daemons too, are part of the allowance's key already."""
-    return frozenset(t for t in threading.enumerate() if not t.daemon)
+    """Threads that may make library handles for a task: pools named as the threads
+    scheduler's are, and threads that are not daemons. A pool started from a worker
+    thread is a daemon like it, so pools are known by name. Other daemon threads are
+    left out: services (Prefect's log and event workers, this guard's sampler) start
+    them when they please, and Dask's own worker threads are part of the allowance's
+    key already."""
+    return frozenset(
+        t for t in threading.enumerate() if not t.daemon or t.name.startswith(POOL_THREAD_PREFIXES)
+    )
 
 
 def guard_of(dask_worker: Any) -> GPUMemoryGuard | None:

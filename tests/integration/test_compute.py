@@ -113,6 +113,24 @@ def test_compute_on_gpus_runs_one_piece_per_worker(two_workers):
     assert np.array_equal(plus, expected_plus) and np.allclose(sums, expected_sums)
 
 
+def threads_running_shares() -> set[str]:
+    import threading
+
+    x = da.ones((400, 400), chunks=100)
+    named = x.map_blocks(
+        lambda block: np.array([[threading.current_thread().name]], dtype=object), chunks=(1, 1), dtype=object
+    )
+    (names,) = compute_on_gpus(named)
+    return set(names.ravel())
+
+
+def test_each_share_runs_on_its_workers_one_pool_of_the_cores(two_workers):
+    # The caller's share and the other worker's, on each worker's in-place pool (not a
+    # pool of Dask's own per calling thread).
+    names = two_workers.submit(threads_running_shares, pure=False).result(timeout=60)
+    assert names and all(name.startswith("gpu-graph") for name in names), names
+
+
 def sum_with_a_lambda(seed: int):
     offset = 2.5  # a closure: only cloudpickle can ship this graph's shares
     x = da.random.RandomState(seed).random((400, 400), chunks=100)

@@ -343,6 +343,42 @@ def test_the_guard_allows_library_growth_once_per_task_and_worker_thread():
     assert judged("svd") == LEAK  # the same task on the same thread, growing again
 
 
+def test_a_pool_new_since_the_allowance_renews_it_though_its_threads_are_daemons():
+    """Chunks of a task on a worker run in pools started from the worker's daemon
+    threads, so their threads are daemons too: new ones still bring new handles."""
+    import concurrent.futures
+    import threading
+
+    probe = TwoReadingsProbe(1 * GiB, device_used=2 * GiB)
+    probe.outside = 1 * GiB
+    guard = started_guard(probe)
+    verdicts: list[str] = []
+
+    def judged_on_a_worker_thread(start_pool: bool) -> None:
+        pool = None
+        probe.samples = [1 * GiB, 2 * GiB]
+        probe.reads = 0
+        ticket, before, started = guard.begin()
+        if start_pool:
+            pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="gpu-graph")
+            pool.submit(int).result()
+        before = before._replace(owned=1 * GiB)
+        verdicts.append(guard.end(ticket, before, started, "cube")[0].status)
+        if pool is not None:
+            pools.append(pool)  # its threads stay alive past end(), as a worker's pool's do
+
+    pools: list[concurrent.futures.ThreadPoolExecutor] = []
+    worker_thread = threading.Thread(
+        target=lambda: [judged_on_a_worker_thread(start) for start in (False, True, False)], daemon=True
+    )
+    worker_thread.start()
+    worker_thread.join()
+    for pool in pools:
+        pool.shutdown()
+    # First use; a new pool's threads make handles of their own; then growing again is a leak.
+    assert verdicts == [LIBRARY, LIBRARY, LEAK]
+
+
 def _exception(module: str, name: str, base: type = Exception) -> type:
     return type(name, (base,), {"__module__": module})
 
