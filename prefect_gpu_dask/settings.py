@@ -152,7 +152,8 @@ class RunnerSettings:
         guard: which tasks the GPU memory guard measures: ``"gpu"``, ``"all"``, ``"off"``.
         leak_threshold: bytes (or a size string) a task may leave on its GPU.
         memory_limit: fraction of GPU memory above which a worker is recycled, where
-            its own memory takes the GPU there.
+            its own memory takes the GPU there (judged after each guarded task, on a
+            whole-GPU figure at most 1 s old, confirmed by a fresh reading).
         restart: ``"worker"`` (only the offending one), ``"cluster"`` or ``"never"``.
         restart_after_tasks: recycle a GPU worker after this many guarded tasks.
         memory_probe: what the guard reads memory through instead of NVML: a callable

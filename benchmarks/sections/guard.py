@@ -81,6 +81,7 @@ def bench_guard(samples: int) -> dict[str, Any]:
         "process_read": guard._read_process,
         "allocators_read": guard._read_allocators,
         "device_and_process_read": guard.probe.sample,
+        "after_read": guard._read_after,  # the process now, the device's figure at most 1 s old
         "peak_sampler_start_stop": peak_sampler_start_stop,
     }
     parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}

@@ -46,6 +46,7 @@ from prefect_gpu_dask.worker.probe import (
     AllocatorBytes,
     MemoryProbe,
     MemorySample,
+    after_sampler,
     allocator_reader,
     process_sampler,
     with_allocators,
@@ -195,6 +196,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self._health_asked = False  # a flow run asked for checks this plugin's settings left off
         self._follow_lock: threading.Lock | None = None  # made in setup: the plugin is pickled
         self._read_process: Callable[[], MemorySample] | None = None
+        self._read_after: Callable[[], MemorySample] | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
         # (task name, worker thread) that already left growth outside every allocator,
         # and the threads alive then: libraries keep handles per thread. Threads, not
@@ -221,6 +223,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.baseline = self.probe.sample()
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
+        self._read_after = after_sampler(self.probe)
         self._read_allocators = allocator_reader(self.probe)
         self._sampler = PeakSampler(self.probe)
         reader = getattr(self.probe, "activity_reader", None)
@@ -344,6 +347,7 @@ class GPUMemoryGuard(WorkerPlugin):
             grew_before=threads_then is not None and _pool_threads() <= threads_then,
             oom=oom,
             replacement_bytes=self.context_bytes,  # a replacement makes its own context
+            sample=self._read_after,
         )
         if verdict.status == LIBRARY:
             self._grew[key] = _pool_threads()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,6 +129,40 @@ def process_sampler(probe: MemoryProbe) -> Callable[[], MemorySample]:
     def read() -> MemorySample:
         sample = cheap()
         return sample if sample.process >= 0 else probe.sample()
+
+    return read
+
+
+# How old the device-wide figure after a task may be (see ``after_sampler``).
+DEVICE_READING_MAX_AGE_S = 1.0
+
+
+def after_sampler(
+    probe: MemoryProbe,
+    max_age_s: float = DEVICE_READING_MAX_AGE_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[], MemorySample]:
+    """The reading after a task: this process's bytes read now, the device's from a full
+    reading at most ``max_age_s`` old, moved by this process's own change since. What
+    other processes did within that age is not seen; only the memory limit reads it,
+    and a limit the figure says is passed is confirmed by a full reading
+    (``verdict.verdict_for``). A probe without ``sample_process`` is read in full."""
+    cheap = getattr(probe, "sample_process", None)
+    if cheap is None:
+        return probe.sample
+    last: list[tuple[float, MemorySample]] = []  # one entry, swapped whole: threads read at once
+
+    def read() -> MemorySample:
+        now = clock()
+        if last and now - last[0][0] <= max_age_s:
+            at, full = last[0]
+            sample = cheap()
+            if sample.process >= 0 and full.process >= 0:
+                used = full.device_used + sample.process - full.process
+                return MemorySample(sample.process, used, full.device_total)
+        full = probe.sample()
+        last[:] = [(now, full)]
+        return full
 
     return read
 

@@ -105,9 +105,9 @@ def owned_growth(before: MemorySample, after: MemorySample) -> int | None:
     return after.owned - (before.owned or 0)
 
 
-def _read(probe: MemoryProbe, allocators: Callable[[], AllocatorBytes]) -> MemorySample:
+def _read(sample: Callable[[], MemorySample], allocators: Callable[[], AllocatorBytes]) -> MemorySample:
     held = allocators()
-    return with_allocators(probe.sample(), held)
+    return with_allocators(sample(), held)
 
 
 def judge(
@@ -195,15 +195,20 @@ def verdict_for(
     grew_before: bool = False,
     oom: OutOfMemory | None = None,
     replacement_bytes: int = 0,
+    sample: Callable[[], MemorySample] | None = None,
 ) -> Verdict:
     """The verdict on one task. ``oom``: the task failed on a CUDA out-of-memory error;
     its verdict is ``oom``, and its worker is recycled only if, with the pools flushed,
-    the memory has not come back. ``replacement_bytes``: see ``restart_reason``."""
-    read = functools.partial(_read, probe, allocators)
+    the memory has not come back. ``replacement_bytes``: see ``restart_reason``.
+    ``sample``: the reading after the task (default ``probe.sample``), whose
+    device-wide figures may be a little old (``probe.after_sampler``): a memory limit
+    they say is passed is read again in full before it recycles the worker."""
+    read_in_full = functools.partial(_read, probe.sample, allocators)
+    read = functools.partial(_read, sample, allocators) if sample is not None else read_in_full
     if oom is not None:
         release_caches()
         sleep(settings.settle_s)
-        after = read()
+        after = read_in_full()
         delta = after.live - before.live
         reason = restart_reason(OOM, after, delta, tasks_run, settings, replacement_bytes)
         return Verdict(OOM, before, after, delta, reason, oom)
@@ -211,7 +216,7 @@ def verdict_for(
     if status != LEAK and over_limit(after, settings, replacement_bytes):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
-        after = read()
+        after = read_in_full()
     delta = after.live - before.live
     reason = restart_reason(status, after, delta, tasks_run, settings, replacement_bytes)
     return Verdict(status, before, after, delta, reason)

@@ -296,6 +296,65 @@ def test_a_process_reading_that_cannot_attribute_memory_falls_back_to_the_full_o
     assert process_sampler(probe)().judged == 3 * GiB
 
 
+class DeviceAndProcess:
+    """A GPU whose full reading and process reading are counted, and scripted apart."""
+
+    total = 16 * GiB
+
+    def __init__(self, process: int, device_used: int):
+        self.process, self.device_used = process, device_used
+        self.full_reads = self.process_reads = 0
+
+    def sample(self) -> MemorySample:
+        self.full_reads += 1
+        return MemorySample(self.process, self.device_used, self.total)
+
+    def sample_process(self) -> MemorySample:
+        self.process_reads += 1
+        return MemorySample(self.process, 0, 0)
+
+    def allocator_bytes(self) -> AllocatorBytes:
+        return AllocatorBytes(0, self.process)
+
+
+def test_after_a_task_the_device_figure_is_a_recent_full_one_moved_by_the_process():
+    from prefect_gpu_dask.worker.probe import after_sampler
+
+    now = [0.0]
+    probe = DeviceAndProcess(1 * GiB, device_used=5 * GiB)
+    read = after_sampler(probe, max_age_s=1.0, clock=lambda: now[0])
+    assert read() == MemorySample(1 * GiB, 5 * GiB, probe.total) and probe.full_reads == 1
+    probe.process, probe.device_used = 3 * GiB, 9 * GiB  # this process +2 GiB, another +2 GiB
+    now[0] = 0.9
+    assert read() == MemorySample(3 * GiB, 7 * GiB, probe.total)  # the other's not seen yet
+    assert (probe.full_reads, probe.process_reads) == (1, 1)
+    now[0] = 1.1
+    assert read() == MemorySample(3 * GiB, 9 * GiB, probe.total) and probe.full_reads == 2
+
+
+def test_a_memory_limit_an_old_device_figure_says_is_passed_is_read_again_in_full():
+    from prefect_gpu_dask.worker.probe import after_sampler
+
+    limit = int(SETTINGS.memory_limit * DeviceAndProcess.total)
+    probe = DeviceAndProcess(1 * GiB, device_used=limit - 100 * MiB)
+    read = after_sampler(probe, max_age_s=60.0)
+    read()  # the full reading: just under the limit
+    probe.process, probe.device_used = 1 * GiB + 200 * MiB, 10 * GiB  # +200 MiB here, others freed
+    start = MemorySample(1 * GiB, limit - 100 * MiB, probe.total, owned=1 * GiB)
+
+    def judged():
+        return verdict_for(
+            probe, start, SETTINGS, 1, Flushes(), lambda s: None, probe.allocator_bytes, sample=read
+        )
+
+    # The old figure moved by +200 MiB is over the limit; the full reading is not.
+    verdict = judged()
+    assert verdict.status == CLEAN and verdict.restart_reason is None
+    assert verdict.after.device_used == 10 * GiB and probe.full_reads == 2
+    probe.device_used = limit + 1 * GiB  # really over it now
+    assert judged().restart_reason.startswith("memory limit")
+
+
 def test_growth_outside_every_allocator_is_a_library_once_then_a_leak():
     # cuSOLVER's handles on a thread new to it: 900 MiB, none of it handed out by a pool.
     grew = 1 * GiB + 900 * MiB
