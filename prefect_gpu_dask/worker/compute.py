@@ -44,6 +44,7 @@ from distributed.protocol import pickle, to_serialize
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
+from prefect_gpu_dask.worker import task_threads
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         if workers == [me]:
             in_place = {"scheduler": "threads"}
             if "num_workers" not in compute_kwargs:
-                in_place["pool"] = _in_place_pool()
+                in_place.update(_graph_threads())
             with dask.config.set(TASKS_BASED):
                 return dask.compute(*collections, **{**in_place, **compute_kwargs})
         if not compute_kwargs:
@@ -293,6 +294,25 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
 # dask's own threads-scheduler pool where this dask has it: chunks see the caller's
 # contextvars (get_worker() among them); older dask's pools were plain.
 _ContextPool = getattr(dask.threaded, "ContextAwareThreadPoolExecutor", concurrent.futures.ThreadPoolExecutor)
+GRAPH_THREAD_PREFIX = "gpu-graph"
+
+
+class _GraphPool(_ContextPool):
+    """The in-place pool: each chunk notes its thread for the guarded task that
+    submitted it (``task_threads``), whose library allowance is per thread."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        return super().submit(task_threads.noting(fn), *args, **kwargs)
+
+
+def _graph_threads() -> dict[str, Any]:
+    """How ``dask.threaded.get`` runs a graph here: on the in-place pool, except in one
+    of that pool's own threads (a chunk computing a graph of its own), whose chunks
+    would queue behind the chunk that waits for them; there Dask's pool for the
+    calling thread, of the worker's thread count."""
+    if threading.current_thread().name.startswith(GRAPH_THREAD_PREFIX):
+        return {"num_workers": _threads()}
+    return {"pool": _in_place_pool()}
 
 
 def _in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -309,7 +329,7 @@ def _in_place_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 @functools.cache
 def _pool_of(size: int) -> concurrent.futures.ThreadPoolExecutor:
-    return _ContextPool(size, thread_name_prefix="gpu-graph")
+    return _GraphPool(size, thread_name_prefix=GRAPH_THREAD_PREFIX)
 
 
 def _threads() -> int:
@@ -319,7 +339,7 @@ def _threads() -> int:
 
 def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:
     # The graph was built under TASKS_BASED on the caller: nothing left to configure here.
-    return dask.threaded.get(part, outputs, pool=_in_place_pool())
+    return dask.threaded.get(part, outputs, **_graph_threads())
 
 
 def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hashable, Any]:

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from distributed import WorkerPlugin
 
@@ -40,13 +40,14 @@ from prefect_gpu_dask.records import (
 )
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
+from prefect_gpu_dask.worker import task_threads
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
 from prefect_gpu_dask.worker.metrics import serve_gauges
 from prefect_gpu_dask.worker.probe import (
+    AfterSampler,
     AllocatorBytes,
     MemoryProbe,
     MemorySample,
-    after_sampler,
     allocator_reader,
     process_sampler,
     with_allocators,
@@ -173,6 +174,14 @@ class PeakSampler:
                         self._peaks[ticket] = used
 
 
+class _Allowance(NamedTuple):
+    """Where a task had left growth outside every allocator: the pool threads alive
+    then, and the threads its work had run on."""
+
+    alive: frozenset[threading.Thread]
+    used: frozenset[threading.Thread]
+
+
 class GPUMemoryGuard(WorkerPlugin):
     """Worker plugin: measure, judge and report GPU memory around guarded tasks."""
 
@@ -196,13 +205,13 @@ class GPUMemoryGuard(WorkerPlugin):
         self._health_asked = False  # a flow run asked for checks this plugin's settings left off
         self._follow_lock: threading.Lock | None = None  # made in setup: the plugin is pickled
         self._read_process: Callable[[], MemorySample] | None = None
-        self._read_after: Callable[[], MemorySample] | None = None
+        self._read_after: AfterSampler | None = None
         self._read_allocators: Callable[[], AllocatorBytes] | None = None
-        # (task name, worker thread) that already left growth outside every allocator,
-        # and the threads alive then: libraries keep handles per thread. Threads, not
-        # their idents: a thread that secedes (worker_client) is replaced, and the new
-        # one may get a dead one's ident while its handles are new.
-        self._grew: dict[tuple[str | None, threading.Thread], frozenset[threading.Thread]] = {}
+        # (task name, worker thread) that already left growth outside every allocator:
+        # libraries keep handles per thread. Threads, not their idents: a thread that
+        # secedes (worker_client) is replaced, and the new one may get a dead one's
+        # ident while its handles are new.
+        self._grew: dict[tuple[str | None, threading.Thread], _Allowance] = {}
 
     # -- WorkerPlugin -------------------------------------------------------------
     async def setup(self, worker: Any) -> None:
@@ -223,7 +232,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.baseline = self.probe.sample()
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
-        self._read_after = after_sampler(self.probe)
+        self._read_after = AfterSampler(self.probe)
         self._read_allocators = allocator_reader(self.probe)
         self._sampler = PeakSampler(self.probe)
         reader = getattr(self.probe, "activity_reader", None)
@@ -323,10 +332,13 @@ class GPUMemoryGuard(WorkerPlugin):
         oom: OutOfMemory | None = None,
         settings: RunnerSettings | None = None,
         flow_run_id: str | None = None,
+        threads: frozenset[threading.Thread] = frozenset(),
     ) -> tuple[Verdict, int, float, Activity | None]:
         """Judge the task that began with ``ticket``; ``task`` names it for the
         one-time library growth allowance (per task and worker thread, renewed when the
-        process has new threads, which a library gives handles of their own).
+        process has new threads, or when the task's work ran on a thread it had not
+        used before: ``threads``, from ``task_threads``; a library gives each thread
+        handles of its own).
         ``settings``: those of the task's flow run (default: the plugin's), whose own
         guarded tasks here count towards its ``restart_after_tasks``.
         Returns the verdict, the peak, the duration and what else it did on the GPU."""
@@ -335,7 +347,8 @@ class GPUMemoryGuard(WorkerPlugin):
         self.tasks_run += 1
         self._tasks_of[flow_run_id] += 1
         key = (task, threading.current_thread())
-        threads_then = self._grew.get(key)
+        then = self._grew.get(key)
+        used = threads | {key[1]}
         verdict = verdict_for(
             self.probe,
             before,
@@ -343,14 +356,15 @@ class GPUMemoryGuard(WorkerPlugin):
             self._tasks_of[flow_run_id] if flow_run_id else self.tasks_run,
             release_allocator_caches,
             allocators=self._read_allocators,
-            # Again on this thread, and no thread new since: no library's first use left.
-            grew_before=threads_then is not None and _pool_threads() <= threads_then,
+            # Again on this thread, no thread new since and none new to this task's work:
+            # no library's first use left.
+            grew_before=then is not None and _pool_threads() <= then.alive and used <= then.used,
             oom=oom,
             replacement_bytes=self.context_bytes,  # a replacement makes its own context
             sample=self._read_after,
         )
         if verdict.status == LIBRARY:
-            self._grew[key] = _pool_threads()
+            self._grew[key] = _Allowance(_pool_threads(), used | then.used if then is not None else used)
         peak = self._sampler.stop(ticket, verdict.after.judged)
         activity = self._activity.stop(ticket) if self._activity is not None else None
         return verdict, peak, duration, activity
@@ -537,8 +551,10 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
     if settings is not None and settings.stall_s is not None:
         guard.watch_for_stall(ticket, settings, _task_identity())
     oom = None
+    threads: set[threading.Thread] = set()
     try:
-        yield
+        with task_threads.recording() as threads:
+            yield
     except BaseException as exc:
         oom = out_of_memory(exc)
         # The traceback's frames hold the failed task's arrays: judged with them alive,
@@ -551,7 +567,14 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
         try:
             identity = _task_identity()
             verdict, peak, duration, activity = guard.end(
-                ticket, before, started, identity["task_name"], oom, settings, identity["flow_run_id"]
+                ticket,
+                before,
+                started,
+                identity["task_name"],
+                oom,
+                settings,
+                identity["flow_run_id"],
+                frozenset(threads),
             )
             record = build_record(guard, verdict, peak, duration, identity, activity)
             _log_record(record)

@@ -133,38 +133,48 @@ def process_sampler(probe: MemoryProbe) -> Callable[[], MemorySample]:
     return read
 
 
-# How old the device-wide figure after a task may be (see ``after_sampler``).
+# How old the device-wide figure after a task may be (see ``AfterSampler``).
 DEVICE_READING_MAX_AGE_S = 1.0
 
 
-def after_sampler(
-    probe: MemoryProbe,
-    max_age_s: float = DEVICE_READING_MAX_AGE_S,
-    clock: Callable[[], float] = time.monotonic,
-) -> Callable[[], MemorySample]:
+class AfterSampler:
     """The reading after a task: this process's bytes read now, the device's from a full
     reading at most ``max_age_s`` old, moved by this process's own change since. What
     other processes did within that age is not seen; only the memory limit reads it,
-    and a limit the figure says is passed is confirmed by a full reading
-    (``verdict.verdict_for``). A probe without ``sample_process`` is read in full."""
-    cheap = getattr(probe, "sample_process", None)
-    if cheap is None:
-        return probe.sample
-    last: list[tuple[float, MemorySample]] = []  # one entry, swapped whole: threads read at once
+    and a limit the figure says is passed is confirmed by ``full()``
+    (``verdict.verdict_for``). A probe without ``sample_process``, or one that cannot
+    attribute memory to the process, is read in full."""
 
-    def read() -> MemorySample:
-        now = clock()
-        if last and now - last[0][0] <= max_age_s:
-            at, full = last[0]
-            sample = cheap()
-            if sample.process >= 0 and full.process >= 0:
-                used = full.device_used + sample.process - full.process
-                return MemorySample(sample.process, used, full.device_total)
-        full = probe.sample()
-        last[:] = [(now, full)]
+    def __init__(
+        self,
+        probe: MemoryProbe,
+        max_age_s: float = DEVICE_READING_MAX_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._probe = probe
+        self._cheap = getattr(probe, "sample_process", None)
+        self._max_age_s = max_age_s
+        self._clock = clock
+        self._last: tuple[float, MemorySample] | None = None  # swapped whole: threads read at once
+
+    def __call__(self) -> MemorySample:
+        last = self._last
+        if self._cheap is not None and last is not None and last[1].process >= 0:
+            at, full = last
+            if self._clock() - at <= self._max_age_s:
+                sample = self._cheap()
+                if sample.process >= 0:
+                    used = full.device_used + sample.process - full.process
+                    return MemorySample(
+                        sample.process, min(max(used, 0), full.device_total), full.device_total
+                    )
+        return self.full()
+
+    def full(self) -> MemorySample:
+        """A full reading now, which later estimates start from."""
+        full = self._probe.sample()
+        self._last = (self._clock(), full)
         return full
-
-    return read
 
 
 class NvmlProbe:

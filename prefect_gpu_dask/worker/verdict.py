@@ -201,9 +201,10 @@ def verdict_for(
     its verdict is ``oom``, and its worker is recycled only if, with the pools flushed,
     the memory has not come back. ``replacement_bytes``: see ``restart_reason``.
     ``sample``: the reading after the task (default ``probe.sample``), whose
-    device-wide figures may be a little old (``probe.after_sampler``): a memory limit
-    they say is passed is read again in full before it recycles the worker."""
-    read_in_full = functools.partial(_read, probe.sample, allocators)
+    device-wide figures may be a little old (``probe.AfterSampler``): a memory limit
+    they say is passed is read again in full (its ``full()``, where it has one) before
+    it recycles the worker."""
+    read_in_full = functools.partial(_read, getattr(sample, "full", probe.sample), allocators)
     read = functools.partial(_read, sample, allocators) if sample is not None else read_in_full
     if oom is not None:
         release_caches()

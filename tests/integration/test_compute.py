@@ -131,6 +131,37 @@ def test_each_share_runs_on_its_workers_one_pool_of_the_cores(two_workers):
     assert names and all(name.startswith("gpu-graph") for name in names), names
 
 
+def test_the_graph_pool_notes_each_chunks_thread_for_the_task_recording_it():
+    from prefect_gpu_dask.worker import task_threads
+    from prefect_gpu_dask.worker.compute import _GraphPool
+
+    pool = _GraphPool(1, thread_name_prefix="gpu-graph-test")
+    try:
+        with task_threads.recording() as used:
+            pool.submit(int).result()
+        assert {t.name.split("_")[0] for t in used} == {"MainThread", "gpu-graph-test"}
+        assert pool.submit(int, "7").result() == 7  # outside a recording: run as given
+    finally:
+        pool.shutdown()
+
+
+def nested_cubes() -> float:
+    def block_plus_a_cube(block):
+        (inner,) = compute_on_gpus(da.ones((40, 40), chunks=10).sum())
+        return block + inner
+
+    (blocks,) = compute_on_gpus(da.zeros((4, 4), chunks=1).map_blocks(block_plus_a_cube, dtype=float))
+    return float(blocks.sum())
+
+
+def test_a_chunk_computing_a_graph_of_its_own_does_not_wait_behind_itself():
+    # Every thread of the in-place pool runs a chunk that computes its own graph: those
+    # graphs must not queue on the pool their callers fill.
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            assert client.submit(nested_cubes, pure=False).result(timeout=60) == 16 * 1600
+
+
 def sum_with_a_lambda(seed: int):
     offset = 2.5  # a closure: only cloudpickle can ship this graph's shares
     x = da.random.RandomState(seed).random((400, 400), chunks=100)

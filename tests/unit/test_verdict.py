@@ -318,11 +318,11 @@ class DeviceAndProcess:
 
 
 def test_after_a_task_the_device_figure_is_a_recent_full_one_moved_by_the_process():
-    from prefect_gpu_dask.worker.probe import after_sampler
+    from prefect_gpu_dask.worker.probe import AfterSampler
 
     now = [0.0]
     probe = DeviceAndProcess(1 * GiB, device_used=5 * GiB)
-    read = after_sampler(probe, max_age_s=1.0, clock=lambda: now[0])
+    read = AfterSampler(probe, max_age_s=1.0, clock=lambda: now[0])
     assert read() == MemorySample(1 * GiB, 5 * GiB, probe.total) and probe.full_reads == 1
     probe.process, probe.device_used = 3 * GiB, 9 * GiB  # this process +2 GiB, another +2 GiB
     now[0] = 0.9
@@ -330,14 +330,19 @@ def test_after_a_task_the_device_figure_is_a_recent_full_one_moved_by_the_proces
     assert (probe.full_reads, probe.process_reads) == (1, 1)
     now[0] = 1.1
     assert read() == MemorySample(3 * GiB, 9 * GiB, probe.total) and probe.full_reads == 2
+    probe.process = -1  # the driver cannot attribute memory (MIG, vGPU): full readings only
+    now[0] = 1.2
+    read(), read()
+    assert (probe.full_reads, probe.process_reads) == (4, 2)
 
 
 def test_a_memory_limit_an_old_device_figure_says_is_passed_is_read_again_in_full():
-    from prefect_gpu_dask.worker.probe import after_sampler
+    from prefect_gpu_dask.worker.probe import AfterSampler
 
+    now = [0.0]
     limit = int(SETTINGS.memory_limit * DeviceAndProcess.total)
     probe = DeviceAndProcess(1 * GiB, device_used=limit - 100 * MiB)
-    read = after_sampler(probe, max_age_s=60.0)
+    read = AfterSampler(probe, max_age_s=1.0, clock=lambda: now[0])
     read()  # the full reading: just under the limit
     probe.process, probe.device_used = 1 * GiB + 200 * MiB, 10 * GiB  # +200 MiB here, others freed
     start = MemorySample(1 * GiB, limit - 100 * MiB, probe.total, owned=1 * GiB)
@@ -350,8 +355,11 @@ def test_a_memory_limit_an_old_device_figure_says_is_passed_is_read_again_in_ful
     # The old figure moved by +200 MiB is over the limit; the full reading is not.
     verdict = judged()
     assert verdict.status == CLEAN and verdict.restart_reason is None
-    assert verdict.after.device_used == 10 * GiB and probe.full_reads == 2
-    probe.device_used = limit + 1 * GiB  # really over it now
+    assert verdict.after.device_used == 10 * GiB and (probe.full_reads, probe.process_reads) == (2, 1)
+    assert judged().restart_reason is None and probe.full_reads == 2  # estimated from the new reading
+    probe.device_used = limit + 1 * GiB  # others fill the GPU: seen once the reading is old
+    assert judged().restart_reason is None
+    now[0] = 1.5
     assert judged().restart_reason.startswith("memory limit")
 
 
@@ -400,6 +408,39 @@ def test_the_guard_allows_library_growth_once_per_task_and_worker_thread():
     thread.join()
     assert other == [LIBRARY]  # another thread: its own handles
     assert judged("svd") == LEAK  # the same task on the same thread, growing again
+
+
+def test_work_on_a_pool_thread_new_to_the_task_renews_the_allowance_though_none_is_new():
+    """A long-lived pool's threads are all started early; a later run of the same task
+    may still reach one of them for the first time (its library handles are new)."""
+    import concurrent.futures
+
+    from prefect_gpu_dask.worker import task_threads
+
+    probe = TwoReadingsProbe(1 * GiB, device_used=2 * GiB)
+    probe.outside = 1 * GiB
+    guard = started_guard(probe)
+    pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-graph") for _ in range(2)]
+    for pool in pools:
+        pool.submit(int).result()  # every pool thread alive before the first run
+
+    def judged(*on: concurrent.futures.ThreadPoolExecutor) -> str:
+        probe.samples = [1 * GiB, 2 * GiB]
+        probe.reads = 0
+        ticket, before, started = guard.begin()
+        with task_threads.recording() as used:
+            for pool in on:
+                pool.submit(task_threads.noting(int)).result()
+        before = before._replace(owned=1 * GiB)
+        return guard.end(ticket, before, started, "svd", threads=frozenset(used))[0].status
+
+    try:
+        assert judged(pools[0]) == LIBRARY
+        assert judged(pools[1]) == LIBRARY  # a thread this task's work had not run on
+        assert judged(pools[0], pools[1]) == LEAK  # both used before: growing again is a leak
+    finally:
+        for pool in pools:
+            pool.shutdown()
 
 
 def test_a_pool_new_since_the_allowance_renews_it_though_its_threads_are_daemons():
