@@ -26,7 +26,10 @@ def recording() -> Iterator[set[threading.Thread]]:
     try:
         yield used
     finally:
-        _used.reset(token)
+        # A run ending in another context than it began (never so in Prefect's engine)
+        # leaves the record set there: the guard must not change what the task did.
+        with contextlib.suppress(ValueError):
+            _used.reset(token)
 
 
 def noting(fn: Callable[..., Any]) -> Callable[..., Any]:
