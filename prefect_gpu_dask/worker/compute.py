@@ -59,6 +59,7 @@ PICKLE_RESULTS_UP_TO = 16 * 2**20
 SHARE_OP = "prefect_gpu_dask_share"
 SHARE_TOPIC = "prefect-gpu-dask-share"
 SHARE_ERROR = "share-error"
+SHARE_THREAD_PREFIX = "gpu-share"
 ANSWER_POLL_S = 1.0
 
 
@@ -239,7 +240,7 @@ class ShareServer(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         self.worker = worker
         self.in_flight = 0  # a drain waits for these as for running tasks
-        self._pool = concurrent.futures.ThreadPoolExecutor(worker.state.nthreads, "gpu-share")
+        self._pool = concurrent.futures.ThreadPoolExecutor(worker.state.nthreads, SHARE_THREAD_PREFIX)
         _compat.add_worker_handler(worker, SHARE_OP, self.serve)
         worker.metrics[SHARE_OP] = _serving
 

@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 from distributed import WorkerPlugin
@@ -42,6 +43,7 @@ from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker import task_threads
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
+from prefect_gpu_dask.worker.compute import GRAPH_THREAD_PREFIX, SHARE_THREAD_PREFIX
 from prefect_gpu_dask.worker.metrics import serve_gauges
 from prefect_gpu_dask.worker.probe import (
     AfterSampler,
@@ -332,7 +334,7 @@ class GPUMemoryGuard(WorkerPlugin):
         oom: OutOfMemory | None = None,
         settings: RunnerSettings | None = None,
         flow_run_id: str | None = None,
-        threads: frozenset[threading.Thread] = frozenset(),
+        threads: AbstractSet[threading.Thread] = frozenset(),
     ) -> tuple[Verdict, int, float, Activity | None]:
         """Judge the task that began with ``ticket``; ``task`` names it for the
         one-time library growth allowance (per task and worker thread, renewed when the
@@ -348,7 +350,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self._tasks_of[flow_run_id] += 1
         key = (task, threading.current_thread())
         then = self._grew.get(key)
-        used = threads | {key[1]}
+        used = threads or {key[1]}  # ``task_threads.recording`` starts with the task's own thread
         verdict = verdict_for(
             self.probe,
             before,
@@ -364,7 +366,7 @@ class GPUMemoryGuard(WorkerPlugin):
             sample=self._read_after,
         )
         if verdict.status == LIBRARY:
-            self._grew[key] = _Allowance(_pool_threads(), used | then.used if then is not None else used)
+            self._grew[key] = _Allowance(_pool_threads(), then.used.union(used) if then else frozenset(used))
         peak = self._sampler.stop(ticket, verdict.after.judged)
         activity = self._activity.stop(ticket) if self._activity is not None else None
         return verdict, peak, duration, activity
@@ -386,7 +388,7 @@ class GPUMemoryGuard(WorkerPlugin):
 
 # Names of the pools a task's chunks run on: the threads scheduler's (dask's default
 # names), ``compute_on_gpus``'s graph pool and its share server's.
-POOL_THREAD_PREFIXES = ("ThreadPoolExecutor-", "gpu-graph", "gpu-share")
+POOL_THREAD_PREFIXES = ("ThreadPoolExecutor-", GRAPH_THREAD_PREFIX, SHARE_THREAD_PREFIX)
 
 
 def _pool_threads() -> frozenset[threading.Thread]:
@@ -574,7 +576,7 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
                 oom,
                 settings,
                 identity["flow_run_id"],
-                frozenset(threads),
+                threads,
             )
             record = build_record(guard, verdict, peak, duration, identity, activity)
             _log_record(record)
