@@ -93,6 +93,18 @@ def runs_of(fn, repeat: int) -> list[float]:
     return times
 
 
+def warm_every_worker(job: Any, *args: Any) -> None:
+    """Inside a flow run: one run of the Prefect task ``job`` per worker of the runner's
+    cluster, submitted together so the scheduler spreads them. A worker's first task run
+    loads Prefect's engine and the task's libraries in that process; a warm run should
+    not pay for it on whichever worker it lands."""
+    from prefect.context import FlowRunContext
+
+    workers = len(FlowRunContext.get().task_runner.client.nthreads())
+    for future in [job.submit(*args) for _ in range(max(workers, 1))]:
+        future.result()
+
+
 def median_of(fn, repeat: int) -> float:
     return statistics.median(runs_of(fn, repeat))
 

@@ -262,6 +262,11 @@ def print_table(result: dict[str, Any]) -> None:
             rows.append((f"{p['n']} trivial tasks: {key} (s)", p.get(key)))
     rows += [
         ("guard per task (µs, median)", result.get("guard", {}).get("guard_us")),
+        ("… with the health screen (µs)", result.get("guard", {}).get("guard_with_screen_us")),
+        (
+            "… with the screen, in the bench's process (µs)",
+            result.get("guard", {}).get("in_bench_process", {}).get("guard_with_screen_us"),
+        ),
         ("speed-cube via runner: p95 / median", cube.get("runner", {}).get("p95_over_median")),
         (
             "… reporting to PostgreSQL: p95 / median",

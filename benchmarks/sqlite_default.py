@@ -40,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
     spread,
     use_readme_default,
     versions,
+    warm_every_worker,
 )
 
 use_readme_default("default")  # before Prefect is imported
@@ -133,7 +134,7 @@ def cube(runs: int, gpu: bool, runner_kwargs: dict[str, Any]) -> dict[str, Any]:
 
     @flow(task_runner=GPUDaskTaskRunner(**runner_kwargs))
     def cubes() -> tuple[list[float], list[float]]:
-        cube_mean.submit(n, chunk).result()  # warm
+        warm_every_worker(cube_mean, n, chunk)
         around, inside = [], []
         for _ in range(runs):
             start = time.perf_counter()

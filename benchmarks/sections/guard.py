@@ -1,10 +1,12 @@
 """guard: the guard's ``begin()`` + ``end()`` around an empty task with the real NVML probe,
 each of its readings on its own, and the health check (before each ``gpu`` task, and the
-full one of the timer), in a quiet process."""
+full one of the timer): in a task's thread on a GPU worker that has just run the
+speed-cube, where the guard runs, and in this benchmark's own process."""
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +17,26 @@ SAMPLES = 2000
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:
-    yield "guard", bench_guard(SAMPLES)
+    here = bench_guard(SAMPLES)
+    if here.get("guard_us") is None:  # no GPU
+        yield "guard", here
+        return
+    in_worker = on_gpu_worker(SAMPLES, options.n, options.chunk)
+    yield "guard", in_worker | {"in_bench_process": here}
+
+
+def on_gpu_worker(samples: int, n: int, chunk: int) -> dict[str, Any]:
+    """``bench_guard`` in a task on a one-GPU ``LocalCUDACluster`` worker, after that worker
+    computed the speed-cube: the process, its CUDA context and CuPy's pool as a guarded
+    task's thread finds them."""
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    from benchmarks.common import check_cube, speed_cube_expr
+
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0") as cluster, Client(cluster) as client:
+        check_cube(client.compute(speed_cube_expr(n, chunk, True)).result())
+        return client.submit(bench_guard, samples, pure=False).result() | {"where": "gpu worker task"}
 
 
 def bench_guard(samples: int) -> dict[str, Any]:
@@ -85,7 +106,12 @@ def bench_guard(samples: int) -> dict[str, Any]:
         "peak_sampler_start_stop": peak_sampler_start_stop,
     }
     parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}
+    pool = _cupy_pool()
     return {
+        "where": "bench process",
+        "gpu_processes": len(guard.probe.process_pids()),  # each is an entry of the process read
+        "process_threads": threading.active_count(),
+        "cupy_pool_bytes": pool.total_bytes() if pool else None,
         "guard_us": statistics.median(costs) * 1e6,
         "nvml_sample_us": parts_us["device_and_process_read"],  # one full probe read
         "guard_p95_us": sorted(costs)[int(0.95 * len(costs))] * 1e6,
@@ -97,3 +123,11 @@ def bench_guard(samples: int) -> dict[str, Any]:
         "health_limits": list(health.limits),
         "samples": samples,
     }
+
+
+def _cupy_pool() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy.get_default_memory_pool()
