@@ -159,11 +159,33 @@ def forks_workers(cluster_class: str | Callable[..., Any], kwargs: dict[str, Any
     return local and bool(kwargs.get("processes", True))
 
 
+class ClosedCommTraceback(logging.Filter):
+    """Keeps distributed's "Batched Comm Closed" line but drops its traceback.
+
+    A local cluster's scheduler runs in this process; as the cluster closes, its stream
+    to a worker that closed first ends in ``CommClosedError``, which distributed logs at
+    INFO with the same few frames every time. In a flow's console that reads as a
+    failure of a run that succeeded. Any other exception keeps its traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from distributed.comm import CommClosedError
+
+        if record.exc_info and isinstance(record.exc_info[1], CommClosedError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_CLOSED_COMM_FILTER = ClosedCommTraceback()
+
+
 def start_local_cluster(
     cluster_class: Callable[..., Any], kwargs: dict[str, Any], stack: ExitStack, config: dict[str, Any]
 ) -> Any:
     """``cluster_class(**kwargs)`` under ``config``, closed with ``stack``; a local
     cluster's worker processes fork from the server (``forkserver``)."""
+    logging.getLogger("distributed.batched").addFilter(_CLOSED_COMM_FILTER)  # added once: a set
     if forks_workers(cluster_class, kwargs):
         stack.enter_context(forkserver.worker_processes(is_local_cuda_cluster(cluster_class)))
     with dask.config.set(config):

@@ -60,3 +60,36 @@ def test_the_fork_server_imports_dask_cuda_only_for_cuda_workers_and_freezes_its
 
     assert server_preload(["prefect"], cuda=True) == ["prefect", *CUDA_WORKER_PRELOAD, FREEZE_HEAP]
     assert server_preload(["prefect"], cuda=False) == ["prefect", FREEZE_HEAP]
+
+
+def test_a_local_clusters_closed_streams_log_their_line_without_a_traceback():
+    import io
+    import logging
+    from contextlib import ExitStack
+
+    from distributed.comm import CommClosedError
+
+    from prefect_gpu_dask.flow.cluster import start_local_cluster
+
+    with ExitStack() as stack:
+        in_process = {"processes": False, "n_workers": 0, "dashboard_address": ":0"}
+        start_local_cluster(distributed.LocalCluster, in_process, stack, {})
+    logger = logging.getLogger("distributed.batched")
+    written = io.StringIO()
+    handler = logging.StreamHandler(written)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for error in (CommClosedError("closed"), ValueError("something else")):
+            try:
+                raise error
+            except Exception:
+                logger.info("Batched Comm Closed %r", "<TCP (closed)>", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    text = written.getvalue()
+    assert text.count("Batched Comm Closed") == 2
+    assert "CommClosedError" not in text
+    assert "ValueError: something else" in text  # any other error keeps its traceback
