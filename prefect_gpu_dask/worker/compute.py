@@ -27,7 +27,10 @@ import concurrent.futures
 import contextlib
 import functools
 import graphlib
+import importlib
+import io
 import logging
+import pickle as stdlib_pickle
 import threading
 import time
 from collections.abc import Hashable, Mapping
@@ -347,8 +350,28 @@ def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hash
     """One remote share. Small results (partial reductions) travel faster as one pickle
     than one by one through Dask's device-aware serialisation; large ones (whole chunks)
     go that way, without the extra host copies a pickle makes."""
-    values = dict(zip(outputs, _compute_part(pickle.loads(pickled_part), outputs), strict=True))
+    values = dict(zip(outputs, _compute_part(_load_part(pickled_part), outputs), strict=True))
     return pickle.dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
+
+
+def _load_part(pickled_part: bytes) -> Mapping[Hashable, Any]:
+    """A share's graph, unpickled with each module's packages imported first."""
+    return _PartUnpickler(io.BytesIO(pickled_part)).load()
+
+
+class _PartUnpickler(stdlib_pickle.Unpickler):
+    """A share can reach a worker while a task starting there imports the package its
+    graph names (``dask.array``). Unpickled as usual, the share's thread would import a
+    submodule (``dask.array.reductions``) while the task's thread runs the package's
+    ``__init__``, which needs that submodule: CPython breaks the two threads' deadlock by
+    failing one of them, the task's or the share's. Imported parents first, the share's
+    thread waits for the package instead."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        packages = module.split(".")[:-1]
+        for depth in range(1, len(packages) + 1):
+            importlib.import_module(".".join(packages[:depth]))
+        return super().find_class(module, name)
 
 
 def _chunk_order(key: Hashable) -> tuple[str, tuple[int, ...], str]:

@@ -424,3 +424,35 @@ def test_a_drained_worker_waits_for_the_share_it_runs(share_held_on_the_other_wo
         assert before["running"] == 1  # no task of its own: the share
     finally:
         client.run(resume, workers=[other])
+
+
+SHARE_MEETS_STARTING_TASK = """
+import threading, time
+from prefect_gpu_dask.worker.compute import _load_part
+errors = []
+def starting_task():
+    try:
+        import dask.array  # a task's first import of the package its graph uses
+    except BaseException as exc:
+        errors.append(f"task: {exc!r}")
+thread = threading.Thread(target=starting_task)
+thread.start()
+time.sleep(DELAY)
+try:
+    _load_part(b"cdask.array.reductions\\nmean\\n.")  # a share's pickle naming a submodule
+except BaseException as exc:
+    errors.append(f"share: {exc!r}")
+thread.join()
+print(errors)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02])
+def test_a_share_arriving_as_a_task_imports_its_package_fails_neither(delay):
+    import subprocess
+
+    script = SHARE_MEETS_STARTING_TASK.replace("DELAY", str(delay))
+    # A fresh interpreter: dask.array not yet imported, as in a worker before its first task.
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
