@@ -93,16 +93,17 @@ def runs_of(fn, repeat: int) -> list[float]:
     return times
 
 
-def warm_every_worker(job: Any, *args: Any) -> None:
+def warm_every_worker(job: Any, *args: Any) -> int:
     """Inside a flow run: one run of the Prefect task ``job`` per worker of the runner's
     cluster, submitted together so the scheduler spreads them. A worker's first task run
     loads Prefect's engine and the task's libraries in that process; a warm run should
-    not pay for it on whichever worker it lands."""
+    not pay for it on whichever worker it lands. Returns how many runs it made."""
     from prefect.context import FlowRunContext
 
-    workers = len(FlowRunContext.get().task_runner.client.nthreads())
-    for future in [job.submit(*args) for _ in range(max(workers, 1))]:
+    workers = max(len(FlowRunContext.get().task_runner.client.nthreads()), 1)
+    for future in [job.submit(*args) for _ in range(workers)]:
         future.result()
+    return workers
 
 
 def median_of(fn, repeat: int) -> float:

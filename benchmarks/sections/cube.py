@@ -71,11 +71,10 @@ def cube_through_runner(
 
     @flow(task_runner=GPUDaskTaskRunner(**runner_kwargs))
     def through_runner() -> tuple[list[float], list[float]]:
-        warm_every_worker(cube)
+        warm_up = warm_every_worker(cube) + 1  # and runs_of's own
         runs = runs_of(lambda: cube.submit().result(), repeat)
         runner = FlowRunContext.get().task_runner
         deadline = time.monotonic() + 10
-        warm_up = len(runner.client.nthreads()) + 1  # every worker's, then runs_of's
         while len(runner.records) < repeat + warm_up and time.monotonic() < deadline:
             time.sleep(0.05)
         inside = [r.duration_s for r in sorted(runner.records, key=lambda r: r.time)][warm_up:]

@@ -160,7 +160,8 @@ def forks_workers(cluster_class: str | Callable[..., Any], kwargs: dict[str, Any
 
 
 class ClosedCommTraceback(logging.Filter):
-    """Keeps distributed's "Batched Comm Closed" line but drops its traceback.
+    """Keeps distributed's "Batched Comm Closed" line, and the error's own words, but
+    drops its traceback.
 
     A local cluster's scheduler runs in this process; as the cluster closes, its stream
     to a worker that closed first ends in ``CommClosedError``, which distributed logs at
@@ -171,7 +172,8 @@ class ClosedCommTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         from distributed.comm import CommClosedError
 
-        if record.exc_info and isinstance(record.exc_info[1], CommClosedError):
+        if record.exc_info and isinstance(error := record.exc_info[1], CommClosedError):
+            record.msg, record.args = f"{record.getMessage()}: {error!r}", ()
             record.exc_info = None
             record.exc_text = None
         return True

@@ -365,7 +365,10 @@ class _PartUnpickler(stdlib_pickle.Unpickler):
     submodule (``dask.array.reductions``) while the task's thread runs the package's
     ``__init__``, which needs that submodule: CPython breaks the two threads' deadlock by
     failing one of them, the task's or the share's. Imported parents first, the share's
-    thread waits for the package instead."""
+    thread waits for the package instead. A thread that starts at a submodule while the
+    share imports the package (another graph unpickled beside it) meets the same
+    deadlock the other way round: the fork server imports ``dask.array`` before any
+    worker starts where the flow uses it (``forkserver.WORKER_PRELOAD``)."""
 
     def find_class(self, module: str, name: str) -> Any:
         packages = module.split(".")[:-1]

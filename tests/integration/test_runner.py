@@ -280,6 +280,36 @@ def test_a_cuda_cluster_after_a_cpu_one_forks_from_a_server_that_imported_dask_c
     assert done.stdout.split() == ["forkserver", "forkserver", "0"], (done.stdout, done.stderr)
 
 
+DASK_ARRAY_PRELOADED = """
+import multiprocessing
+import dask.array  # the flow's module uses it
+from prefect_gpu_dask import forkserver
+from tests.conftest import exit_with_module_loaded
+
+forkserver.worker_start_method()
+fork = multiprocessing.get_context("forkserver")
+child = fork.Process(target=exit_with_module_loaded, args=("dask.array",))
+child.start()
+child.join(120)
+print(child.exitcode)
+"""
+
+
+def test_workers_fork_with_dask_array_imported_where_the_flow_imported_it():
+    """A worker that imports ``dask.array`` in a task's thread while a graph arriving
+    beside it unpickles one of its submodules fails one of them (CPython's import
+    deadlock): where the flow process has it, the fork server imports it once, first."""
+    done = subprocess.run(
+        [sys.executable, "-c", DASK_ARRAY_PRELOADED],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"], (done.stdout, done.stderr)
+
+
 def test_local_workers_spawn_when_the_environment_changed_since_the_server_started(monkeypatch, caplog):
     forkserver.worker_start_method()  # the fork server is running, with today's environment
     mark = uuid.uuid4().hex
