@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 import distributed
+from distributed.comm import CommClosedError
 from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
@@ -170,8 +171,6 @@ class ClosedCommTraceback(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from distributed.comm import CommClosedError
-
         if record.exc_info and isinstance(error := record.exc_info[1], CommClosedError):
             record.msg, record.args = f"{record.getMessage()}: {error!r}", ()
             record.exc_info = None
@@ -187,7 +186,7 @@ def start_local_cluster(
 ) -> Any:
     """``cluster_class(**kwargs)`` under ``config``, closed with ``stack``; a local
     cluster's worker processes fork from the server (``forkserver``)."""
-    logging.getLogger("distributed.batched").addFilter(_CLOSED_COMM_FILTER)  # added once: a set
+    logging.getLogger("distributed.batched").addFilter(_CLOSED_COMM_FILTER)  # once: it skips one it has
     if forks_workers(cluster_class, kwargs):
         stack.enter_context(forkserver.worker_processes(is_local_cuda_cluster(cluster_class)))
     with dask.config.set(config):

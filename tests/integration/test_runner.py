@@ -249,6 +249,17 @@ def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_
         assert "Spawning" not in done.stderr
 
 
+def _in_a_fresh_process(script: str) -> subprocess.CompletedProcess:
+    """``script`` run by a new interpreter from the repository's root (``tests`` importable)."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
 CUDA_AFTER_CPU = """
 import multiprocessing
 from prefect_gpu_dask import forkserver
@@ -269,13 +280,7 @@ def test_a_cuda_cluster_after_a_cpu_one_forks_from_a_server_that_imported_dask_c
     CUDA cluster's variable changes the environment; with no cluster forking from that
     server any more, the CUDA cluster gets a new server, and its workers fork from it
     (on a machine without dask-cuda its import fails there, and the server stays up)."""
-    done = subprocess.run(
-        [sys.executable, "-c", CUDA_AFTER_CPU],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = _in_a_fresh_process(CUDA_AFTER_CPU)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["forkserver", "forkserver", "0"], (done.stdout, done.stderr)
 
@@ -299,13 +304,7 @@ def test_workers_fork_with_dask_array_imported_where_the_flow_imported_it():
     """A worker that imports ``dask.array`` in a task's thread while a graph arriving
     beside it unpickles one of its submodules fails one of them (CPython's import
     deadlock): where the flow process has it, the fork server imports it once, first."""
-    done = subprocess.run(
-        [sys.executable, "-c", DASK_ARRAY_PRELOADED],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = _in_a_fresh_process(DASK_ARRAY_PRELOADED)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0"], (done.stdout, done.stderr)
 
