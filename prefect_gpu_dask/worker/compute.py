@@ -33,7 +33,7 @@ import logging
 import pickle as stdlib_pickle
 import threading
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import dask
@@ -48,6 +48,7 @@ from distributed.protocol import pickle, to_serialize
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
 from prefect_gpu_dask.worker import task_threads
+from prefect_gpu_dask.worker.share_balance import graph_shape, share_sizes, share_speeds
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ def _split_compute(
     if not unpacked:
         return collections
     graph, keys = _compat.finalized_graph(unpacked)
-    plan = split_graph(graph, keys, len(workers))
+    shape = graph_shape(graph, keys)
+    plan = split_graph(graph, keys, len(workers), share_speeds.speeds(shape, workers))
     if plan is None:
         return None
     parts, join = plan
@@ -130,7 +132,11 @@ def _split_compute(
     # distributed's pickle: the C pickler first, cloudpickle for lambdas and for functions
     # of the flow script's __main__.
     pickled = {worker: (pickle.dumps(part), outputs) for worker, (part, outputs) in shares.items()}
+    sent = time.monotonic()
+    back: dict[str, float] = {}  # seconds from ``sent`` until each share's values were here
     asked = {w: _ask(w, *share) for w, share in pickled.items() if w in serving}
+    for worker, (answer, _) in asked.items():
+        answer.add_done_callback(lambda _, w=worker: back.setdefault(w, time.monotonic() - sent))
     sent_before = _compat.bytes_sent(client.scheduler_comm)
     remote = [_submit(client, w, *share) for w, share in pickled.items() if w not in asked]
     held: dict[Hashable, Any] = {}
@@ -139,10 +145,12 @@ def _split_compute(
             _head_start(client, [written for _, written in asked.values()], sent_before if remote else None)
             part, outputs = own
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
+            back[me] = time.monotonic() - sent
         for worker, (answer, _) in asked.items():
             produced = _answered(answer)
             if produced is _NOT_SERVED:  # e.g. the worker went away: the scheduler places it
                 remote.append(_submit(client, worker, *pickled[worker]))
+                back.pop(worker, None)
             else:
                 held.update(_share_values(produced))
         for produced in client.gather(remote):
@@ -153,6 +161,9 @@ def _split_compute(
             answer.cancel()  # the connection closes; a share already running there ends by itself
         raise
     del remote  # the remote copies go now, not when this function returns
+    share_speeds.note(
+        shape, {w: (_roots_in(part), back[w]) for w, (part, _) in zip(workers, parts) if w in back}
+    )
     if join:
         final = {**{k: _compat.data_node(k, v) for k, v in held.items()}, **join}
         values = dask.get(final, keys) if keys else []
@@ -377,6 +388,10 @@ class _PartUnpickler(stdlib_pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _roots_in(part: Mapping[Hashable, Any]) -> int:
+    return sum(not node.dependencies for node in part.values())
+
+
 def _chunk_order(key: Hashable) -> tuple[str, tuple[int, ...], str]:
     """("x", 2, 10) before ("x", 10, 2): neighbouring chunks stay together."""
     if isinstance(key, tuple) and key and all(isinstance(i, int) for i in key[1:]):
@@ -409,12 +424,16 @@ def _roots_depth_first(
 
 
 def split_graph(
-    graph: Mapping[Hashable, Any], keys: list[Hashable], n: int
+    graph: Mapping[Hashable, Any],
+    keys: list[Hashable],
+    n: int,
+    speeds: Sequence[float | None] | None = None,
 ) -> tuple[list[tuple[dict[Hashable, Any], list[Hashable]]], dict[Hashable, Any]] | None:
     """Split a task graph into ``n`` independent parts plus the tasks that join them.
 
     Roots are dealt out in contiguous runs of a depth-first order from the outputs (so
-    each part holds whole subtrees); a task belongs to a part when all its inputs do. Returns
+    each part holds whole subtrees), evenly or in proportion to each part's ``speeds``
+    (``share_balance.share_sizes``); a task belongs to a part when all its inputs do. Returns
     ``([(part_graph, part_outputs), ...], join_graph)``, or None when the graph does
     not split well (too few roots, inputs from outside, a large join).
     """
@@ -426,7 +445,9 @@ def split_graph(
     roots = _roots_depth_first(dependencies, keys)
     if len(roots) < 2 * n:
         return None
-    group: dict[Hashable, int | None] = {root: i * n // len(roots) for i, root in enumerate(roots)}
+    sizes = share_sizes(len(roots), speeds or [None] * n)
+    part_of_root = [part for part, size in enumerate(sizes) for _ in range(size)]
+    group: dict[Hashable, int | None] = dict(zip(roots, part_of_root, strict=True))
     for key in graphlib.TopologicalSorter(dependencies).static_order():
         if key not in group:
             owners = {group[dep] for dep in dependencies[key]}

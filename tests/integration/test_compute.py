@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -323,6 +325,37 @@ def test_shares_go_straight_to_a_worker_that_serves_them(serving_workers):
     expected_plus, expected_sums = dask.compute(x + 1, x.sum(axis=0), scheduler="sync")
     assert np.array_equal(plus, expected_plus) and np.allclose(sums, expected_sums)
     assert not any(str(t["key"]).startswith("_run_part") for t in stream.data)
+
+
+ONE_CHUNK_AT_A_TIME = threading.Lock()  # per worker process: its chunks' time adds up, whatever its cores
+
+
+def chunk_on(slow_pid: int, seconds: float, block: np.ndarray) -> np.ndarray:
+    with ONE_CHUNK_AT_A_TIME:
+        time.sleep(seconds * (3 if os.getpid() == slow_pid else 1))
+    return np.full(block.shape, os.getpid())
+
+
+def chunks_by_process(slow_pid: int) -> tuple[Counter, float]:
+    x = da.zeros((24, 1), chunks=1, dtype=int)
+    started = time.monotonic()
+    (pids,) = compute_on_gpus(x.map_blocks(functools.partial(chunk_on, slow_pid, 0.02)))
+    return Counter(pids.ravel().tolist()), time.monotonic() - started
+
+
+def test_the_next_split_gives_a_slower_worker_fewer_chunks(serving_workers):
+    client = serving_workers
+    pids = client.run(os.getpid)
+    caller, slow = sorted(pids)
+    calls = [
+        client.submit(chunks_by_process, pids[slow], workers=[caller], pure=False).result(timeout=60)
+        for _ in range(4)
+    ]
+    (first, first_s), (last, last_s) = calls[0], calls[-1]
+    assert first == {pids[caller]: 12, pids[slow]: 12}  # this graph not seen before: even
+    # 3 times slower: about a quarter of the chunks, and the call about twice as fast.
+    assert last[pids[slow]] <= 8 and last[pids[caller]] >= 16, calls
+    assert last_s < 0.8 * first_s, calls
 
 
 def large_share_result(seed: int):

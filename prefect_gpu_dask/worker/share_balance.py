@@ -1,0 +1,85 @@
+"""How many of a split graph's roots each GPU worker's share of ``compute_on_gpus`` gets.
+
+An even split makes the calling task wait for the slowest share: GPUs of one host
+differ by a few per cent, and a share sent to another worker comes back later than the
+one computed in the calling thread. So each calling worker process remembers, per graph
+shape, how fast each worker's shares of it came back (roots per second, from the moment
+the shares were sent to the moment each one's values were here), and deals the next
+split's roots in proportion: the shares then end together. A graph seen for the first
+time, or a worker not seen yet, gets an even share.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from dask.utils import key_split
+
+# The last few shares' speeds per worker: their median ignores one slow share (a worker's
+# first, compiling its kernels) and follows a lasting change within a few calls.
+SPEEDS_KEPT = 5
+GRAPHS_KEPT = 128
+# No worker counts as more than this many times faster or slower than the median one,
+# whatever was seen.
+MOST_UNEVEN = 3.0
+
+
+def graph_shape(graph: Mapping[Hashable, Any], keys: Sequence[Hashable]) -> Hashable:
+    """What makes two graphs the same work: their size and their outputs' names without
+    tokens (a random array has new tokens on every build)."""
+    return len(graph), tuple(key_split(key) for key in keys)
+
+
+def share_sizes(roots: int, speeds: Sequence[float | None]) -> list[int]:
+    """``roots`` dealt in proportion to ``speeds`` (unknown ones: the median of the
+    known, or even; each within ``MOST_UNEVEN`` times the median), each share at least
+    one root."""
+    known = [s for s in speeds if s is not None and s > 0]
+    typical = statistics.median(known) if known else 1.0
+    weights = [
+        min(max(s if s is not None and s > 0 else typical, typical / MOST_UNEVEN), typical * MOST_UNEVEN)
+        for s in speeds
+    ]
+    exact = [roots * w / sum(weights) for w in weights]
+    sizes = [max(1, int(x)) for x in exact]
+    # Largest remainders first, until the sizes add up; then trim the largest shares.
+    for i in sorted(range(len(sizes)), key=lambda i: exact[i] - int(exact[i]), reverse=True):
+        if sum(sizes) >= roots:
+            break
+        sizes[i] += 1
+    while sum(sizes) > roots:
+        sizes[sizes.index(max(sizes))] -= 1
+    return sizes
+
+
+class ShareSpeeds:
+    """What this process saw of each worker's shares, per graph shape. Thread-safe: tasks
+    on one worker may call ``compute_on_gpus`` at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[Hashable, dict[str, deque[float]]] = OrderedDict()
+
+    def speeds(self, shape: Hashable, workers: Sequence[str]) -> list[float | None]:
+        """Each worker's roots per second for graphs of ``shape``, None where unknown."""
+        with self._lock:
+            seen = self._seen.get(shape, {})
+            return [statistics.median(seen[w]) if seen.get(w) else None for w in workers]
+
+    def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:
+        """``shares``: worker → (roots in its share, seconds until its values were here)."""
+        with self._lock:
+            seen = self._seen.setdefault(shape, {})
+            self._seen.move_to_end(shape)
+            for worker, (roots, seconds) in shares.items():
+                if roots > 0 and seconds > 0:
+                    seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT)).append(roots / seconds)
+            while len(self._seen) > GRAPHS_KEPT:
+                self._seen.popitem(last=False)
+
+
+share_speeds = ShareSpeeds()  # this process's, for the tasks that call compute_on_gpus here

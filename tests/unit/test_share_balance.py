@@ -1,0 +1,83 @@
+"""How compute_on_gpus deals a split graph's roots: in proportion to how fast each
+worker's shares of that graph came back before."""
+
+import dask.array as da
+import pytest
+from dask._expr import FinalizeCompute
+from dask.base import collections_to_expr
+from dask.core import flatten
+
+from prefect_gpu_dask.worker.compute import split_graph
+from prefect_gpu_dask.worker.share_balance import (
+    GRAPHS_KEPT,
+    MOST_UNEVEN,
+    ShareSpeeds,
+    graph_shape,
+    share_sizes,
+)
+
+
+def test_roots_follow_the_speeds_and_add_up():
+    assert share_sizes(100, [None, None]) == [50, 50]  # nothing seen yet: even
+    assert share_sizes(10, [None, None, None]) == [4, 3, 3]
+    assert share_sizes(100, [2.0, 1.0]) == [67, 33]
+    assert share_sizes(100, [1.0, 1.06]) == [49, 51]
+    assert share_sizes(8, [2.0, 1.0, 1.0]) == [4, 2, 2]
+    for roots, speeds in [(3, [1.0, 9.0, 9.0]), (64, [0.1, 3.0, None, 7.0]), (2, [1.0, 1e9])]:
+        sizes = share_sizes(roots, speeds)
+        assert sum(sizes) == roots and min(sizes) >= 1, (roots, speeds, sizes)
+
+
+def test_an_unseen_worker_gets_a_typical_share_and_none_counts_as_absurdly_fast_or_slow():
+    assert share_sizes(90, [3.0, None, 3.0]) == [30, 30, 30]
+    assert share_sizes(70, [1.0, 1.0, 1000.0]) == [14, 14, 42]  # MOST_UNEVEN times the median at most
+    assert share_sizes(70, [1000.0, 1000.0, 1.0]) == [30, 30, 10]  # and a third of it at least
+    assert MOST_UNEVEN == 3.0
+
+
+def test_the_median_of_the_last_shares_ignores_one_slow_share():
+    speeds = ShareSpeeds()
+    shape = ("graph", 1)
+    assert speeds.speeds(shape, ["a", "b"]) == [None, None]
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 10.0)})  # b's first share compiled its kernels
+    for _ in range(2):
+        speeds.note(shape, {"a": (50, 1.0), "b": (50, 1.1)})
+    a, b = speeds.speeds(shape, ["a", "b"])
+    assert a == 50 and b == pytest.approx(50 / 1.1)
+    assert speeds.speeds(("another graph", 1), ["a"]) == [None]
+    speeds.note(shape, {"a": (0, 0.5), "c": (10, 0.0)})  # nothing to learn from these
+    assert speeds.speeds(shape, ["a", "c"]) == [50, None]
+
+
+def test_only_the_latest_graph_shapes_are_kept():
+    speeds = ShareSpeeds()
+    for i in range(GRAPHS_KEPT + 1):
+        speeds.note(("graph", i), {"a": (1, 1.0)})
+    assert speeds.speeds(("graph", 0), ["a"]) == [None]
+    assert speeds.speeds(("graph", GRAPHS_KEPT), ["a"]) == [1.0]
+
+
+def graph_of(collection):
+    expr = FinalizeCompute(collections_to_expr([collection], True)).optimize()
+    return dict(expr.__dask_graph__()), list(flatten(expr.__dask_keys__()))
+
+
+def test_a_split_deals_roots_by_speed_and_keeps_whole_subtrees():
+    x = da.random.RandomState(0).normal(10, 1, size=(2000, 2000), chunks=200)
+    graph, keys = graph_of((x[::2, ::2] + 1).mean())
+    parts, join = split_graph(graph, keys, 2, [1.0, 1.5])
+    roots = [sum(not node.dependencies for node in part.values()) for part, _ in parts]
+    assert roots == [40, 60]
+    assert len(join) <= 4
+    for part, _ in parts:
+        assert all(dep in part for node in part.values() for dep in node.dependencies)
+
+
+def test_the_same_work_has_the_same_shape_whatever_its_tokens():
+    def cube(seed):
+        x = da.random.RandomState(seed).normal(size=(400, 400), chunks=100)
+        return graph_of(x.mean())
+
+    assert graph_shape(*cube(1)) == graph_shape(*cube(2))
+    x = da.ones((400, 400), chunks=100)
+    assert graph_shape(*graph_of(x.sum())) != graph_shape(*cube(1))
