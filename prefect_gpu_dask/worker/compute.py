@@ -132,11 +132,8 @@ def _split_compute(
     # distributed's pickle: the C pickler first, cloudpickle for lambdas and for functions
     # of the flow script's __main__.
     pickled = {worker: (pickle.dumps(part), outputs) for worker, (part, outputs) in shares.items()}
-    sent = time.monotonic()
-    back: dict[str, float] = {}  # seconds from ``sent`` until each share's values were here
     asked = {w: _ask(w, *share) for w, share in pickled.items() if w in serving}
-    for worker, (answer, _) in asked.items():
-        answer.add_done_callback(lambda _, w=worker: back.setdefault(w, time.monotonic() - sent))
+    took: dict[str, float] = {}  # each share's seconds, timed where it ran
     sent_before = _compat.bytes_sent(client.scheduler_comm)
     remote = [_submit(client, w, *share) for w, share in pickled.items() if w not in asked]
     held: dict[Hashable, Any] = {}
@@ -144,15 +141,16 @@ def _split_compute(
         if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
             _head_start(client, [written for _, written in asked.values()], sent_before if remote else None)
             part, outputs = own
+            started = time.monotonic()
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
-            back[me] = time.monotonic() - sent
+            took[me] = time.monotonic() - started
         for worker, (answer, _) in asked.items():
             produced = _answered(answer)
             if produced is _NOT_SERVED:  # e.g. the worker went away: the scheduler places it
                 remote.append(_submit(client, worker, *pickled[worker]))
-                back.pop(worker, None)
             else:
                 held.update(_share_values(produced))
+                took[worker] = answer.result().get("seconds", 0.0)
         for produced in client.gather(remote):
             held.update(_share_values(produced))
     except BaseException:
@@ -162,7 +160,7 @@ def _split_compute(
         raise
     del remote  # the remote copies go now, not when this function returns
     share_speeds.note(
-        shape, {w: (_roots_in(part), back[w]) for w, (part, _) in zip(workers, parts) if w in back}
+        shape, {w: (_roots_in(part), took[w]) for w, (part, _) in zip(workers, parts) if w in took}
     )
     if join:
         final = {**{k: _compat.data_node(k, v) for k, v in held.items()}, **join}
@@ -270,13 +268,16 @@ class ShareServer(WorkerPlugin):
         self.worker.log_event(SHARE_TOPIC, {"worker": self.worker.address})
         self.in_flight += 1
         try:
-            run = functools.partial(_compat.as_on_worker, self.worker, _run_part, part, pickle.loads(outputs))
-            produced = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            run = functools.partial(
+                _compat.as_on_worker, self.worker, _timed_part, part, pickle.loads(outputs)
+            )
+            seconds, produced = await asyncio.get_running_loop().run_in_executor(self._pool, run)
         except Exception as exc:
             return _compat.error_reply(exc, SHARE_ERROR)
         finally:
             self.in_flight -= 1
-        return {"status": "OK", "result": produced if isinstance(produced, bytes) else to_serialize(produced)}
+        result = produced if isinstance(produced, bytes) else to_serialize(produced)
+        return {"status": "OK", "result": result, "seconds": seconds}
 
 
 def shares_in_flight(worker: Any) -> int:
@@ -363,6 +364,14 @@ def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hash
     go that way, without the extra host copies a pickle makes."""
     values = dict(zip(outputs, _compute_part(_load_part(pickled_part), outputs), strict=True))
     return pickle.dumps(values) if sizeof(values) <= PICKLE_RESULTS_UP_TO else values
+
+
+def _timed_part(pickled_part: bytes, outputs: list[Hashable]) -> tuple[float, bytes | dict[Hashable, Any]]:
+    """``_run_part``, and the seconds it took here: how fast this worker computes shares
+    of this graph, without the way there and back (``share_balance``)."""
+    started = time.monotonic()
+    produced = _run_part(pickled_part, outputs)
+    return time.monotonic() - started, produced
 
 
 def _load_part(pickled_part: bytes) -> Mapping[Hashable, Any]:

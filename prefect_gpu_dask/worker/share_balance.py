@@ -1,12 +1,15 @@
 """How many of a split graph's roots each GPU worker's share of ``compute_on_gpus`` gets.
 
 An even split makes the calling task wait for the slowest share: GPUs of one host
-differ by a few per cent, and a share sent to another worker comes back later than the
-one computed in the calling thread. So each calling worker process remembers, per graph
-shape, how fast each worker's shares of it came back (roots per second, from the moment
-the shares were sent to the moment each one's values were here), and deals the next
-split's roots in proportion: the shares then end together. A graph seen for the first
-time, or a worker not seen yet, gets an even share.
+differ by a few per cent. So each calling worker process remembers, per graph shape,
+how fast each worker computed its shares of it (roots per second, timed where the share
+ran), and deals the next split's roots in proportion: the shares then end together. A
+graph seen for the first time, or a worker not seen yet, gets an even share.
+
+Timed where they ran, not by when their values reached the caller: a share that ends
+first may wait for the caller's event loop, whose GIL the caller's own share holds, so
+the caller's clock would see it no sooner than its own, and each split would repeat the
+last one's lean.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class ShareSpeeds:
             return [statistics.median(seen[w]) if seen.get(w) else None for w in workers]
 
     def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:
-        """``shares``: worker → (roots in its share, seconds until its values were here)."""
+        """``shares``: worker → (roots in its share, seconds it took to compute)."""
         with self._lock:
             seen = self._seen.setdefault(shape, {})
             self._seen.move_to_end(shape)
