@@ -26,15 +26,17 @@ from dask.utils import key_split
 # first, compiling its kernels) and follows a lasting change within a few calls.
 SPEEDS_KEPT = 5
 GRAPHS_KEPT = 128
+# Per graph shape: restarted workers come back at new addresses, the old ones go.
+WORKERS_KEPT = 64
 # No worker counts as more than this many times faster or slower than the median one,
 # whatever was seen.
 MOST_UNEVEN = 3.0
 
 
 def graph_shape(graph: Mapping[Hashable, Any], keys: Sequence[Hashable]) -> Hashable:
-    """What makes two graphs the same work: their size and their outputs' names without
-    tokens (a random array has new tokens on every build)."""
-    return len(graph), tuple(key_split(key) for key in keys)
+    """What makes two graphs the same work: their size, their outputs' count and names
+    without tokens (a random array has new tokens on every build)."""
+    return len(graph), len(keys), tuple(sorted({key_split(key) for key in keys}))
 
 
 def share_sizes(roots: int, speeds: Sequence[float | None]) -> list[int]:
@@ -65,7 +67,7 @@ class ShareSpeeds:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seen: OrderedDict[Hashable, dict[str, deque[float]]] = OrderedDict()
+        self._seen: OrderedDict[Hashable, OrderedDict[str, deque[float]]] = OrderedDict()
 
     def speeds(self, shape: Hashable, workers: Sequence[str]) -> list[float | None]:
         """Each worker's roots per second for graphs of ``shape``, None where unknown."""
@@ -76,11 +78,14 @@ class ShareSpeeds:
     def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:
         """``shares``: worker → (roots in its share, seconds it took to compute)."""
         with self._lock:
-            seen = self._seen.setdefault(shape, {})
+            seen = self._seen.setdefault(shape, OrderedDict())
             self._seen.move_to_end(shape)
             for worker, (roots, seconds) in shares.items():
                 if roots > 0 and seconds > 0:
                     seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT)).append(roots / seconds)
+                    seen.move_to_end(worker)
+            while len(seen) > WORKERS_KEPT:
+                seen.popitem(last=False)
             while len(self._seen) > GRAPHS_KEPT:
                 self._seen.popitem(last=False)
 

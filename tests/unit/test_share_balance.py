@@ -11,6 +11,7 @@ from prefect_gpu_dask.worker.compute import split_graph
 from prefect_gpu_dask.worker.share_balance import (
     GRAPHS_KEPT,
     MOST_UNEVEN,
+    WORKERS_KEPT,
     ShareSpeeds,
     graph_shape,
     share_sizes,
@@ -49,12 +50,21 @@ def test_the_median_of_the_last_shares_ignores_one_slow_share():
     assert speeds.speeds(shape, ["a", "c"]) == [50, None]
 
 
-def test_only_the_latest_graph_shapes_are_kept():
+def test_only_the_latest_graph_shapes_and_workers_are_kept():
     speeds = ShareSpeeds()
     for i in range(GRAPHS_KEPT + 1):
         speeds.note(("graph", i), {"a": (1, 1.0)})
     assert speeds.speeds(("graph", 0), ["a"]) == [None]
     assert speeds.speeds(("graph", GRAPHS_KEPT), ["a"]) == [1.0]
+    # Workers restarted at new addresses, one after another, beside one that stays.
+    for i in range(WORKERS_KEPT + 1):
+        stays = (100, 1.0) if i == WORKERS_KEPT else (2, 1.0)  # one outlier, outvoted by its history
+        speeds.note(("graph", 1), {"stays": stays, f"restarted-{i}": (1, 1.0)})
+    assert speeds.speeds(("graph", 1), ["stays", "restarted-0", f"restarted-{WORKERS_KEPT}"]) == [
+        2.0,
+        None,
+        1.0,
+    ]
 
 
 def graph_of(collection):
@@ -81,3 +91,4 @@ def test_the_same_work_has_the_same_shape_whatever_its_tokens():
     assert graph_shape(*cube(1)) == graph_shape(*cube(2))
     x = da.ones((400, 400), chunks=100)
     assert graph_shape(*graph_of(x.sum())) != graph_shape(*cube(1))
+    assert graph_shape(*graph_of(x + 1)) == graph_shape(*graph_of(da.zeros((400, 400), chunks=100) + 2))
