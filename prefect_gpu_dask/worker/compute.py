@@ -141,16 +141,16 @@ def _split_compute(
         if own is not None:  # this thread has seceded: its GPU's share runs here, no round trip
             _head_start(client, [written for _, written in asked.values()], sent_before if remote else None)
             part, outputs = own
-            started = time.monotonic()
+            started = time.perf_counter()
             held.update(zip(outputs, _compute_part(part, outputs), strict=True))
-            took[me] = time.monotonic() - started
+            took[me] = time.perf_counter() - started
         for worker, (answer, _) in asked.items():
             produced = _answered(answer)
             if produced is _NOT_SERVED:  # e.g. the worker went away: the scheduler places it
                 remote.append(_submit(client, worker, *pickled[worker]))
             else:
                 held.update(_share_values(produced))
-                took[worker] = answer.result().get("seconds", 0.0)
+                took[worker] = _served_seconds(answer.result())
         for produced in client.gather(remote):
             held.update(_share_values(produced))
     except BaseException:
@@ -369,9 +369,16 @@ def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hash
 def _timed_part(pickled_part: bytes, outputs: list[Hashable]) -> tuple[float, bytes | dict[Hashable, Any]]:
     """``_run_part``, and the seconds it took here: how fast this worker computes shares
     of this graph, without the way there and back (``share_balance``)."""
-    started = time.monotonic()
+    started = time.perf_counter()
     produced = _run_part(pickled_part, outputs)
-    return time.monotonic() - started, produced
+    return time.perf_counter() - started, produced
+
+
+def _served_seconds(reply: Mapping[str, Any]) -> float:
+    """How long a served share took on its worker, 0 where the reply does not say (a
+    worker of an older version of this package)."""
+    seconds = reply.get("seconds")
+    return float(seconds) if isinstance(seconds, int | float) and seconds > 0 else 0.0
 
 
 def _load_part(pickled_part: bytes) -> Mapping[Hashable, Any]:
@@ -454,6 +461,8 @@ def split_graph(
     roots = _roots_depth_first(dependencies, keys)
     if len(roots) < 2 * n:
         return None
+    if speeds is not None and len(speeds) != n:
+        raise ValueError(f"{len(speeds)} speeds for {n} parts")
     sizes = share_sizes(len(roots), speeds or [None] * n)
     part_of_root = [part for part, size in enumerate(sizes) for _ in range(size)]
     group: dict[Hashable, int | None] = dict(zip(roots, part_of_root, strict=True))

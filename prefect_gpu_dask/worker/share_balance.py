@@ -1,15 +1,20 @@
 """How many of a split graph's roots each GPU worker's share of ``compute_on_gpus`` gets.
 
 An even split makes the calling task wait for the slowest share: GPUs of one host
-differ by a few per cent. So each calling worker process remembers, per graph shape,
-how fast each worker computed its shares of it (roots per second, timed where the share
-ran), and deals the next split's roots in proportion: the shares then end together. A
-graph seen for the first time, or a worker not seen yet, gets an even share.
+differ by a few per cent, and a GPU another process is using is slower still. So each
+calling worker process remembers, per graph shape, how fast each worker computed its
+shares of it, and deals the next split's roots in proportion: the shares then end
+together. A graph seen for the first time, or a worker not seen yet, gets an even share.
 
-Timed where they ran, not by when their values reached the caller: a share that ends
-first may wait for the caller's event loop, whose GIL the caller's own share holds, so
-the caller's clock would see it no sooner than its own, and each split would repeat the
-last one's lean.
+Each speed is kept relative to the other shares of the same call (roots per second over
+their mean), so two graphs that share a shape but not their cost still compare.
+
+Timed where each share ran, not by when its values reached the caller: a share that
+ends first may wait for the caller's event loop, whose GIL the caller's own share holds,
+so the caller's clock would see it no sooner than its own, and each split would repeat
+the last one's lean. The way back is left out by choice; a large share's transfer is
+not counted against its worker. Shares the scheduler placed (a worker not serving them)
+are not timed: that worker keeps a typical share.
 """
 
 from __future__ import annotations
@@ -29,20 +34,23 @@ GRAPHS_KEPT = 128
 # Per graph shape: restarted workers come back at new addresses, the old ones go.
 WORKERS_KEPT = 64
 # No worker counts as more than this many times faster or slower than the median one,
-# whatever was seen.
+# whatever was seen (so two workers' shares differ by at most its square).
 MOST_UNEVEN = 3.0
 
 
 def graph_shape(graph: Mapping[Hashable, Any], keys: Sequence[Hashable]) -> Hashable:
-    """What makes two graphs the same work: their size, their outputs' count and names
-    without tokens (a random array has new tokens on every build)."""
-    return len(graph), len(keys), tuple(sorted({key_split(key) for key in keys}))
+    """What makes two graphs the same work: their size, their outputs' count, and their
+    tasks' names without tokens (a random array has new tokens on every build)."""
+    layers = {key[0] if isinstance(key, tuple) and key else key for key in graph}
+    return len(graph), len(keys), tuple(sorted({key_split(layer) for layer in layers}))
 
 
 def share_sizes(roots: int, speeds: Sequence[float | None]) -> list[int]:
     """``roots`` dealt in proportion to ``speeds`` (unknown ones: the median of the
     known, or even; each within ``MOST_UNEVEN`` times the median), each share at least
     one root."""
+    if not 0 < len(speeds) <= roots:
+        raise ValueError(f"cannot deal {roots} roots into {len(speeds)} shares of at least one each")
     known = [s for s in speeds if s is not None and s > 0]
     typical = statistics.median(known) if known else 1.0
     weights = [
@@ -70,20 +78,26 @@ class ShareSpeeds:
         self._seen: OrderedDict[Hashable, OrderedDict[str, deque[float]]] = OrderedDict()
 
     def speeds(self, shape: Hashable, workers: Sequence[str]) -> list[float | None]:
-        """Each worker's roots per second for graphs of ``shape``, None where unknown."""
+        """Each worker's speed on graphs of ``shape`` against the others' (1 is their
+        mean), None where unknown."""
         with self._lock:
             seen = self._seen.get(shape, {})
             return [statistics.median(seen[w]) if seen.get(w) else None for w in workers]
 
     def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:
-        """``shares``: worker → (roots in its share, seconds it took to compute)."""
+        """``shares``: worker → (roots in its share, seconds it took to compute). Only
+        calls where two or more shares were timed tell how fast each is against the
+        others."""
+        speeds = {w: roots / seconds for w, (roots, seconds) in shares.items() if roots > 0 and seconds > 0}
+        if len(speeds) < 2:
+            return
+        mean = statistics.fmean(speeds.values())
         with self._lock:
             seen = self._seen.setdefault(shape, OrderedDict())
             self._seen.move_to_end(shape)
-            for worker, (roots, seconds) in shares.items():
-                if roots > 0 and seconds > 0:
-                    seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT)).append(roots / seconds)
-                    seen.move_to_end(worker)
+            for worker, speed in speeds.items():
+                seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT)).append(speed / mean)
+                seen.move_to_end(worker)
             while len(seen) > WORKERS_KEPT:
                 seen.popitem(last=False)
             while len(self._seen) > GRAPHS_KEPT:
