@@ -41,7 +41,7 @@ from prefect_gpu_dask.records import (
 )
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.worker import task_threads
+from prefect_gpu_dask.worker import cuda_context, task_threads
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
 from prefect_gpu_dask.worker.compute import GRAPH_THREAD_PREFIX, SHARE_THREAD_PREFIX
 from prefect_gpu_dask.worker.metrics import serve_gauges
@@ -231,7 +231,7 @@ class GPUMemoryGuard(WorkerPlugin):
         # worker that never runs one pays nothing, and the cluster starts faster.
         self.recycling = WorkerRecycling(worker, self.settings.restart)
         await self.recycling.wait_for_predecessor(self.probe)  # a replacement: the old memory goes first
-        self.baseline = self.probe.sample()
+        cuda_context.then(self._take_baseline)  # with the context, where it is still in the making
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
         self._read_after = AfterSampler(self.probe)
@@ -243,6 +243,9 @@ class GPUMemoryGuard(WorkerPlugin):
         serve_gauges(self)
         self._watch_health(worker, self.settings.health_check_s)
         self._health_asked = self.health is not None
+
+    def _take_baseline(self) -> None:
+        self.baseline = self.probe.sample()
 
     def _watch_health(self, worker: Any, interval_s: float | None) -> None:
         reader = getattr(self.probe, "health_reader", None)
@@ -315,6 +318,7 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def begin(self) -> tuple[int, MemorySample, float]:
         ticket = next(self._tickets)
+        cuda_context.wait()  # a context still in the making is the process's, not the task's
         before = self._read_process()
         if before.process == 0 and _create_cuda_context():
             before = self._read_process()  # the context is the process's, not the task's
@@ -420,7 +424,8 @@ def replacement_state(dask_worker: Any) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "name": str(dask_worker.name),
-        "baseline": guard.baseline.judged if guard is not None else None,
+        # None while the replacement's CUDA context is still in the making
+        "baseline": guard.baseline.judged if guard is not None and guard.baseline is not None else None,
         "now": guard.probe.sample().judged if guard is not None else None,
         "released_at": guard.recycling.memory_released_at if guard is not None else None,
     }

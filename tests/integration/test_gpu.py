@@ -12,6 +12,7 @@ from prefect.context import FlowRunContext
 from prefect.variables import Variable
 
 from prefect_gpu_dask import GPUDaskTaskRunner
+from prefect_gpu_dask.worker import cuda_context
 from tests.conftest import recorded_task_run
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +40,8 @@ def device_report() -> dict:
         # dask-cuda imported in the fork server, not again in each worker: its CUDA bindings
         # are loaded there (the worker's parent), where CUDA itself was never initialised.
         "parent_loaded_cuda_bindings": "cuda/bindings" in Path(f"/proc/{os.getppid()}/maps").read_text(),
+        # dask-cuda's preload made the CUDA context in a thread beside the worker's start
+        "cuda_context_made_in_s": cuda_context.made_in_s(),
     }
 
 
@@ -110,16 +113,21 @@ def test_default_runner_starts_local_cuda_cluster_with_gpu_labels():
             device_report.submit().result(),
             type(runner._cluster).__name__,
             [w.get("resources") for w in runner._client.scheduler_info(n_workers=-1)["workers"].values()],
+            runner.records,
         )
 
-    report, cluster_name, resources = on_gpu()
-    print("report:", report, "cluster:", cluster_name, "workers:", resources)
+    report, cluster_name, resources, records = on_gpu()
+    print("report:", report, "cluster:", cluster_name, "workers:", resources, "records:", records)
     assert cluster_name == "LocalCUDACluster"
     assert resources and all(r.get("GPU") == 1 for r in resources)
     assert report["array_type"] == "cupy.ndarray" and report["sum"] == 285
     assert report["resources"].get("GPU") == 1
     assert report["device"] == 0  # each worker sees its own GPU first
     assert report["parent"] != os.getpid() and report["parent_loaded_cuda_bindings"], report
+    assert report["cuda_context_made_in_s"] is not None, report
+    # The guard's first reading waited for that context: the task is not blamed for it.
+    [record] = records
+    assert record.before > 0 and record.verdict != "leak", record
 
 
 def test_leak_is_caught_worker_restarted_memory_back_and_churn_is_clean():

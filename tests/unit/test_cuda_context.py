@@ -1,0 +1,34 @@
+"""A CUDA context made beside a worker's start: what waits for it, and what runs after it."""
+
+from __future__ import annotations
+
+import threading
+
+from prefect_gpu_dask.worker import cuda_context
+
+
+def test_with_no_context_in_the_making_nothing_waits():
+    ran: list[str] = []
+    cuda_context.then(lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name]
+    assert cuda_context.wait(0)
+
+
+def test_what_waits_for_the_context_goes_on_once_it_is_made_or_failed():
+    for outcome in ("made", "failed"):
+        release = threading.Event()
+        order: list[str] = []
+
+        def make(outcome: str = outcome, release: threading.Event = release, order: list = order) -> None:
+            release.wait(5)
+            order.append("context")
+            if outcome == "failed":
+                raise RuntimeError("no CUDA-capable device is detected")
+
+        cuda_context.make_beside(make)
+        cuda_context.then(lambda order=order: order.append(f"after, in {threading.current_thread().name}"))
+        assert not cuda_context.wait(0.05) and order == []
+        release.set()
+        assert cuda_context.wait(5)
+        assert order == ["context", "after, in cuda-context"], outcome
+        assert cuda_context.made_in_s() is not None
