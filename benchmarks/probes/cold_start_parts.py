@@ -72,6 +72,15 @@ def first_cluster() -> None:
     mark("runner.client")
     one.submit().result()
     mark("first gpu task")
+    with contextlib.suppress(Exception):  # packages before the context was made beside the start
+        made = FlowRunContext.get().task_runner.client.run(_context_made_in_s)
+        print("each worker's CUDA context, made in a thread beside its start, took:", made)
+
+
+def _context_made_in_s() -> float | None:
+    from prefect_gpu_dask.worker import cuda_context
+
+    return cuda_context.made_in_s()
 
 
 def clock(at: float) -> str:
