@@ -25,6 +25,7 @@ _made = threading.Event()
 _made.set()  # nothing in the making
 _then: list[Callable[[], None]] = []
 _seconds: float | None = None  # how long the last one took, where this module made it
+WAIT_STEP_S = 0.2
 
 
 def make_beside(create: Callable[[], None]) -> None:
@@ -56,8 +57,16 @@ def _make(create: Callable[[], None]) -> None:
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Wait until no context is in the making; False if ``timeout`` passed first."""
-    return _made.wait(timeout)
+    """Wait until no context is in the making; False if ``timeout`` passed first.
+
+    In short waits: an exception raised into the waiting thread, as Prefect's timeout of
+    a task run in a worker thread is, ends the wait even where the driver never returns.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not _made.wait(WAIT_STEP_S if deadline is None else min(WAIT_STEP_S, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def then(callback: Callable[[], None]) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 
 from prefect_gpu_dask.worker import cuda_context
 
@@ -32,3 +34,27 @@ def test_what_waits_for_the_context_goes_on_once_it_is_made_or_failed():
         assert cuda_context.wait(5)
         assert order == ["context", "after, in cuda-context"], outcome
         assert cuda_context.made_in_s() is not None
+
+
+def test_a_timeout_raised_into_a_waiting_task_thread_ends_its_wait():
+    never = threading.Event()
+    cuda_context.make_beside(lambda: never.wait(30))  # a driver that does not return
+    ended: list[BaseException] = []
+
+    def task_thread() -> None:
+        try:
+            cuda_context.wait()
+        except TimeoutError as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=task_thread)
+    thread.start()
+    time.sleep(0.3)
+    # What Prefect's timeout of a task run in a worker thread does
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(TimeoutError))
+    thread.join(2)
+    try:
+        assert not thread.is_alive() and len(ended) == 1
+    finally:
+        never.set()
+        assert cuda_context.wait(5)
