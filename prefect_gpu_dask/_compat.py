@@ -268,15 +268,17 @@ def make_cuda_contexts_with(beside: Callable[[Callable[[], None]], None]) -> Non
     """In the workers forked from this process from now on, make dask-cuda's
     ``dask_cuda.initialize`` preload hand the making of the worker's CUDA context to
     ``beside`` (``worker.cuda_context.make_beside``: a thread of its own) instead of
-    making it in the worker's event loop before the worker registers. dask-cuda says of
-    this step that, over TCP, when the context is made does not matter; over UCX,
-    distributed-ucxx makes it before the comms start and the preload's step does
-    nothing. Public replacement: an option of the preload (or of ``LocalCUDACluster``)
-    to make the context off the event loop.
+    making it in the worker's event loop before the worker registers. Only the CUDA and
+    NVML step moves (``_create_cuda_context_and_warn``); the preload's look for
+    distributed-ucxx, an import, stays in the event loop. dask-cuda says of this step
+    that, over TCP, when the context is made does not matter; over UCX, distributed-ucxx
+    makes it before the comms start and the preload skips the step. Public replacement:
+    an option of the preload (or of ``LocalCUDACluster``) to make the context off the
+    event loop.
     """
     import dask_cuda.initialize
 
-    make = dask_cuda.initialize._create_cuda_context
+    make = dask_cuda.initialize._create_cuda_context_and_warn
     if getattr(make, "handed_over", False):
         return
 
@@ -284,7 +286,7 @@ def make_cuda_contexts_with(beside: Callable[[Callable[[], None]], None]) -> Non
         beside(make)
 
     hand_over.handed_over = True  # type: ignore[attr-defined]
-    dask_cuda.initialize._create_cuda_context = hand_over
+    dask_cuda.initialize._create_cuda_context_and_warn = hand_over
 
 
 def started_ephemeral_api_server() -> Any:

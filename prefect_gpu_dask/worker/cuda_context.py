@@ -8,7 +8,9 @@ worker forked from this package's server makes it in a thread of its own instead
 plugins load and the first task arrives while the driver works, and the guard's first
 reading waits for the context (``wait``), so no task is blamed for it. The driver
 serialises the making of one primary context, so a task's own CUDA call made meanwhile
-waits for the same context rather than making a second one.
+waits for the same context rather than making a second one. The thread then lives as
+long as the process, as the event loop's thread did: cuda-core keeps its reference to
+the primary context per thread, and a thread that ended would let the context go.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ _made.set()  # nothing in the making
 _then: list[Callable[[], None]] = []
 _seconds: float | None = None  # how long the last one took, where this module made it
 WAIT_STEP_S = 0.2
+# What a task waits for a context in the making at most; a driver that never returns
+# is then the task's to meet (a hung CUDA call), where Prefect's timeout and the
+# package's stall watch see it.
+MOST_WAIT_S = 60.0
 
 
 def make_beside(create: Callable[[], None]) -> None:
@@ -42,7 +48,7 @@ def _make(create: Callable[[], None]) -> None:
     started = time.perf_counter()
     try:
         create()
-    except Exception:  # dask-cuda's own logs and carries on: a task meets the error instead
+    except Exception:  # as dask-cuda's own step, log and carry on: a task meets the error
         logger.exception("Could not make this worker's CUDA context")
     finally:
         _seconds = time.perf_counter() - started
@@ -54,6 +60,7 @@ def _make(create: Callable[[], None]) -> None:
                     break
             for callback in callbacks:
                 _run(callback)
+    threading.Event().wait()  # holds the thread's reference to the context
 
 
 def wait(timeout: float | None = None) -> bool:

@@ -12,6 +12,7 @@ sent to the flow as a ``TaskRecord`` in a Dask worker event.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import gc
@@ -318,7 +319,12 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def begin(self) -> tuple[int, MemorySample, float]:
         ticket = next(self._tickets)
-        cuda_context.wait()  # a context still in the making is the process's, not the task's
+        # A context still in the making is the process's, not the task's.
+        if not cuda_context.wait(cuda_context.MOST_WAIT_S):
+            logger.warning(
+                "This worker's CUDA context is still in the making after %.0f s: guarding without it",
+                cuda_context.MOST_WAIT_S,
+            )
         before = self._read_process()
         if before.process == 0 and _create_cuda_context():
             before = self._read_process()  # the context is the process's, not the task's
@@ -418,13 +424,16 @@ def current_guard() -> GPUMemoryGuard | None:
     return guard_of(_compat.current_worker())
 
 
-def replacement_state(dask_worker: Any) -> dict[str, Any]:
-    """Who this worker is and its GPU memory now: read from a replacement after a restart."""
+async def replacement_state(dask_worker: Any) -> dict[str, Any]:
+    """Who this worker is and its GPU memory once it can serve a GPU task (its CUDA
+    context made): read from a replacement after a restart."""
     guard = guard_of(dask_worker)
+    if guard is not None:
+        await asyncio.to_thread(cuda_context.wait, cuda_context.MOST_WAIT_S)
     return {
         "pid": os.getpid(),
         "name": str(dask_worker.name),
-        # None while the replacement's CUDA context is still in the making
+        # None only where the context was still in the making after that wait
         "baseline": guard.baseline.judged if guard is not None and guard.baseline is not None else None,
         "now": guard.probe.sample().judged if guard is not None else None,
         "released_at": guard.recycling.memory_released_at if guard is not None else None,

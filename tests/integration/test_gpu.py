@@ -13,6 +13,7 @@ from prefect.variables import Variable
 
 from prefect_gpu_dask import GPUDaskTaskRunner
 from prefect_gpu_dask.worker import cuda_context
+from prefect_gpu_dask.worker.guard import current_guard
 from tests.conftest import recorded_task_run
 
 pytestmark = pytest.mark.gpu
@@ -40,8 +41,10 @@ def device_report() -> dict:
         # dask-cuda imported in the fork server, not again in each worker: its CUDA bindings
         # are loaded there (the worker's parent), where CUDA itself was never initialised.
         "parent_loaded_cuda_bindings": "cuda/bindings" in Path(f"/proc/{os.getppid()}/maps").read_text(),
-        # dask-cuda's preload made the CUDA context in a thread beside the worker's start
+        # dask-cuda's preload made the CUDA context in a thread beside the worker's start,
+        # and the context outlived that step: the guard's first reading found it made.
         "cuda_context_made_in_s": cuda_context.made_in_s(),
+        "guard_made_a_context": current_guard().context_bytes > 0,
     }
 
 
@@ -124,7 +127,7 @@ def test_default_runner_starts_local_cuda_cluster_with_gpu_labels():
     assert report["resources"].get("GPU") == 1
     assert report["device"] == 0  # each worker sees its own GPU first
     assert report["parent"] != os.getpid() and report["parent_loaded_cuda_bindings"], report
-    assert report["cuda_context_made_in_s"] is not None, report
+    assert report["cuda_context_made_in_s"] is not None and not report["guard_made_a_context"], report
     # The guard's first reading waited for that context: the task is not blamed for it.
     [record] = records
     assert record.before > 0 and record.verdict != "leak", record

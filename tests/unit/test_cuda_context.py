@@ -58,3 +58,12 @@ def test_a_timeout_raised_into_a_waiting_task_thread_ends_its_wait():
     finally:
         never.set()
         assert cuda_context.wait(5)
+
+
+def test_the_thread_that_made_the_context_lives_on_with_its_reference():
+    makers: list[threading.Thread] = []
+    cuda_context.make_beside(lambda: makers.append(threading.current_thread()))
+    assert cuda_context.wait(5)
+    [maker] = makers
+    maker.join(0.5)
+    assert maker.is_alive() and maker.daemon
