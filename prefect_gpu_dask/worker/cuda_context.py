@@ -9,8 +9,9 @@ plugins load and the first task arrives while the driver works, and the guard's 
 reading waits for the context (``wait``), so no task is blamed for it. The driver
 serialises the making of one primary context, so a task's own CUDA call made meanwhile
 waits for the same context rather than making a second one. The thread then lives as
-long as the process, as the event loop's thread did: cuda-core keeps its reference to
-the primary context per thread, and a thread that ended would let the context go.
+long as the process, as the event loop's thread did: a CUDA library may tie its
+reference to the primary context to the thread that took it (cuda-core's newer releases
+keep it per thread), and a thread that ended would let the context go.
 """
 
 from __future__ import annotations
