@@ -8,6 +8,8 @@ Debian package creates (``benchmarks/gpu_run.sh`` makes one where it unpacks the
 from __future__ import annotations
 
 import contextlib
+import http.client
+import itertools
 import os
 import shutil
 import socket
@@ -18,7 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 PG_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
@@ -86,46 +88,88 @@ def prefect_server(
     ``home / "prefect.db"``, migrated as it starts); yields its API URL once ``/api/health``
     answers. ``home``: its ``PREFECT_HOME`` (a new temp dir by default), removed when it stops."""
     home = home if home is not None else Path(tempfile.mkdtemp(prefix="prefect-home-"))
-    port = free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_DATABASE_CONNECTION_URL": database_url or f"sqlite+aiosqlite:///{home / 'prefect.db'}",
     }
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/api"
+    try:
+        with server_process(env, home, timeout) as url:
+            yield url
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def server_process(env: dict[str, str], home: Path, timeout: float) -> Iterator[str]:
+    """``prefect server start`` with ``env`` on a free port of 127.0.0.1, its log at
+    ``home / "server.log"``; yields its API URL once ``/api/health`` answers, and stops it.
+
+    The free port may be taken before the server binds it (by a Dask process, say): then
+    it starts again on another port, three times at most."""
+    env = {name: value for name, value in env.items() if name != "PREFECT_API_URL"}
+    logs: list[IO[str]] = []
+    proc: subprocess.Popen | None = None
     try:
         deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"prefect server did not start ({'exited' if proc.poll() is not None else 'timed out'}): "
-                    + (home / "server.log").read_text()[-2000:]
-                )
-            time.sleep(0.25)
+        for attempt in itertools.count(1):
+            port = free_port()
+            if attempt > 1:  # the one that found its port taken keeps its log beside
+                (home / "server.log").rename(home / f"server-port-taken-{attempt - 1}.log")
+            logs.append(log := open(home / "server.log", "w"))
+            command = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", *command],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            url = f"http://127.0.0.1:{port}/api"
+            if _healthy(proc, url, deadline, Path(log.name)):
+                break
+            _stop(proc)
+            if attempt == 3:
+                raise RuntimeError(f"prefect server found its port taken {attempt} times")
         yield url
     finally:
-        proc.terminate()  # nothing it holds is kept: a short grace, then kill
+        if proc is not None:
+            _stop(proc)
+        for log in logs:
+            log.close()
+
+
+def _healthy(proc: subprocess.Popen, url: str, deadline: float, log: Path) -> bool:
+    """True once the server at ``url`` answers its health check; False where another
+    process holds its port; raises where it exited or timed out otherwise."""
+    while True:
         try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
-        shutil.rmtree(home, ignore_errors=True)
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return True
+        except http.client.RemoteDisconnected:  # closed without an answer: still starting
+            pass
+        except http.client.HTTPException:  # an answer that is not HTTP: another process's port
+            return False
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            if "address already in use" in log.read_text().lower():
+                return False
+            raise RuntimeError(f"prefect server did not start (exited): {log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefect server did not start (timed out): {log.read_text()[-2000:]}")
+        time.sleep(0.25)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()  # nothing it holds is kept: a short grace, then kill
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 @contextlib.contextmanager

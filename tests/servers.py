@@ -8,19 +8,16 @@ so as root it runs as the ``postgres`` system user the Debian package creates.
 from __future__ import annotations
 
 import contextlib
-import http.client
-import itertools
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+
+from benchmarks.servers import server_process
 
 PG_BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
@@ -138,10 +135,8 @@ SQLITE_FILES: dict[str, Path] = {}  # API URL -> the SQLite file of a server sta
 @contextlib.contextmanager
 def prefect_server(database_url: str | None = None, timeout: float = 180) -> Iterator[str]:
     """``prefect server start`` on 127.0.0.1 (on ``database_url``, else on a migrated
-    SQLite copy in a temp dir); yields its API URL once ``/api/health`` answers.
-
-    The free port it picks may be taken before the server binds it (a Dask process of
-    another test, say): then it starts again on another port."""
+    SQLite copy in a temp dir); yields its API URL once ``/api/health`` answers (started
+    again on another port where its port was taken: ``benchmarks.servers.server_process``)."""
     home = Path(tempfile.mkdtemp(prefix="prefect-home-"))
     env = {
         **os.environ,
@@ -152,73 +147,15 @@ def prefect_server(database_url: str | None = None, timeout: float = 180) -> Ite
     if database_url is None:
         migrated_sqlite(home / "prefect.db")
         env["PREFECT_SERVER_DATABASE_MIGRATE_ON_START"] = "false"
-    env.pop("PREFECT_API_URL", None)
-    logs: list[IO[str]] = []
-    proc: subprocess.Popen | None = None
     url = ""
     try:
-        deadline = time.monotonic() + timeout
-        for attempt in itertools.count(1):
-            port = free_port()
-            if attempt > 1:  # the one that found its port taken keeps its log beside
-                (home / "server.log").rename(home / f"server-port-taken-{attempt - 1}.log")
-            logs.append(log := open(home / "server.log", "w"))
-            command = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-            proc = subprocess.Popen(
-                [sys.executable, "-m", *command],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            url = f"http://127.0.0.1:{port}/api"
-            if _healthy(proc, url, deadline, Path(log.name)):
-                break
-            _stop(proc)
-            if attempt == 3:
-                raise RuntimeError(f"prefect server found its port taken {attempt} times")
-        if database_url is None:
-            SQLITE_FILES[url] = home / "prefect.db"
-        yield url
+        with server_process(env, home, timeout) as url:
+            if database_url is None:
+                SQLITE_FILES[url] = home / "prefect.db"
+            yield url
     finally:
         SQLITE_FILES.pop(url, None)
-        if proc is not None:
-            _stop(proc)
-        for log in logs:
-            log.close()
         shutil.rmtree(home, ignore_errors=True)
-
-
-def _healthy(proc: subprocess.Popen, url: str, deadline: float, log: Path) -> bool:
-    """True once the server at ``url`` answers its health check; False where another
-    process holds its port; raises where it exited or timed out otherwise."""
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return True
-        except http.client.RemoteDisconnected:  # closed without an answer: still starting
-            pass
-        except http.client.HTTPException:  # an answer that is not HTTP: another process's port
-            return False
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            if "address already in use" in log.read_text().lower():
-                return False
-            raise RuntimeError(f"prefect server did not start (exited): {log.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"prefect server did not start (timed out): {log.read_text()[-2000:]}")
-        time.sleep(0.25)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()  # nothing it holds is kept: a short grace, then kill
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 @contextlib.contextmanager

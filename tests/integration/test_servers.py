@@ -6,6 +6,7 @@ import socket
 import threading
 import urllib.request
 
+from benchmarks import servers as processes
 from tests import servers
 
 
@@ -24,8 +25,8 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(monkeypatch):
 
     threading.Thread(target=answer_like_a_dask_comm, daemon=True).start()
     picks = iter([taken_port])
-    free_port = servers.free_port
-    monkeypatch.setattr(servers, "free_port", lambda: next(picks, None) or free_port())
+    free_port = processes.free_port
+    monkeypatch.setattr(processes, "free_port", lambda: next(picks, None) or free_port())
     try:
         with servers.prefect_server() as api:
             assert f":{taken_port}/" not in api
