@@ -58,6 +58,10 @@ class FakeDeviceProbe:
         used = sum(nbytes for nbytes, _ in FakeBlock.held())
         return MemorySample(used, used, TOTAL)
 
+    def sample_device(self) -> tuple[int, int]:
+        """As NVML's device figure: a leak or a free moves it (``probe.ProcessReader``)."""
+        return sum(nbytes for nbytes, _ in FakeBlock.held()), TOTAL
+
     def allocator_bytes(self) -> AllocatorBytes:
         return AllocatorBytes(owned=sum(nbytes for nbytes, pooled in FakeBlock.held() if pooled))
 

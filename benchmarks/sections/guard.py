@@ -99,10 +99,12 @@ def bench_guard(samples: int) -> dict[str, Any]:
         sampler.stop(-1, 0)
 
     parts = {  # each reading and step of begin()+end() on its own
-        "process_read": guard._read_process,
+        "process_read": guard._read_process,  # the device's figure first, the list if it moved
+        "process_list_read": guard.probe.sample_process,  # the driver's process list alone
+        "device_read": guard.probe.sample_device,
         "allocators_read": guard._read_allocators,
         "device_and_process_read": guard.probe.sample,
-        "after_read": guard._read_after,  # the process now, the device's figure at most 1 s old
+        "after_read": guard._read_after,
         "peak_sampler_start_stop": peak_sampler_start_stop,
     }
     parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}

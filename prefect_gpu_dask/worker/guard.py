@@ -123,8 +123,9 @@ class PeakSampler:
         probe: MemoryProbe,
         interval_s: float = PEAK_INTERVAL_S,
         max_interval_s: float = PEAK_MAX_INTERVAL_S,
+        read: Callable[[], MemorySample] | None = None,
     ):
-        self._read = process_sampler(probe)
+        self._read = read if read is not None else process_sampler(probe)
         self._first_interval = self._interval = interval_s
         self._max_interval = max(interval_s, max_interval_s)
         self._peaks: dict[int, int] = {}
@@ -235,9 +236,9 @@ class GPUMemoryGuard(WorkerPlugin):
         cuda_context.then(self._take_baseline)  # with the context, where it is still in the making
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
-        self._read_after = AfterSampler(self.probe)
+        self._read_after = AfterSampler(self.probe, process=self._read_process)
         self._read_allocators = allocator_reader(self.probe)
-        self._sampler = PeakSampler(self.probe)
+        self._sampler = PeakSampler(self.probe, read=self._read_process)
         reader = getattr(self.probe, "activity_reader", None)
         self._activity = ActivityWatch(reader()) if reader is not None else None
         self.stalls = StallWatch(lambda: self._read_process().judged, self._gpu_busy, self._report_stall)

@@ -93,7 +93,8 @@ class MemoryProbe(Protocol):
     """What the guard reads memory through.
 
     A probe may also offer ``sample_process() -> MemorySample``: a cheaper reading whose
-    device figures may be 0. The guard reads through ``process_sampler`` where only
+    device figures may be 0, and ``sample_device() -> (used, total)``: the whole device's
+    memory, cheaper still. The guard reads through ``process_sampler`` where only
     ``judged`` matters (before a task, peaks during one) and ``sample()`` after. A probe
     that models its own allocator offers ``allocator_bytes() -> AllocatorBytes``;
     otherwise the guard asks the loaded libraries (``loaded_allocator_bytes``). A probe
@@ -121,16 +122,69 @@ def allocator_reader(probe: MemoryProbe) -> Callable[[], AllocatorBytes]:
 def process_sampler(probe: MemoryProbe) -> Callable[[], MemorySample]:
     """The probe's cheapest reading that still gives a right ``judged``: its
     ``sample_process()`` where it has one, ``sample()`` when that cannot attribute
-    memory to the process."""
+    memory to the process; through the device's own figure first (``ProcessReader``)
+    where the probe offers ``sample_device()``."""
     cheap = getattr(probe, "sample_process", None)
     if cheap is None:
-        return probe.sample
+        read = probe.sample
+    else:
 
-    def read() -> MemorySample:
-        sample = cheap()
-        return sample if sample.process >= 0 else probe.sample()
+        def read() -> MemorySample:
+            sample = cheap()
+            return sample if sample.process >= 0 else probe.sample()
 
-    return read
+    device = getattr(probe, "sample_device", None)
+    return read if device is None else ProcessReader(read, device, allocator_reader(probe))
+
+
+# How long a process reading may stand in for new ones while nothing moved (``ProcessReader``).
+KNOWN_READING_MAX_AGE_S = 1.0
+
+
+class ProcessReader:
+    """This process's bytes on its GPU, read through the device's used memory first.
+
+    The device's figure is one short driver call; the process list, a few times longer,
+    is most of what the guard costs a task. Any process's allocation or free moves the
+    device's figure, so while it and this process's allocators (CuPy's, torch's, RMM's
+    pools) stand where they stood at the last reading of the list, and that reading is
+    at most ``max_age_s`` old, the process holds what it held then, and the list is not
+    read again. A reading is kept only when the device's figure was the same before and
+    after it: nothing moved while the list was read. What this cannot see: a change in
+    this process outside every loaded allocator, exactly offset by another process's
+    opposite change between two readings.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], MemorySample],
+        device: Callable[[], tuple[int, int]],
+        allocators: Callable[[], AllocatorBytes],
+        max_age_s: float = KNOWN_READING_MAX_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._read = read
+        self._device = device
+        self._allocators = allocators
+        self._max_age_s = max_age_s
+        self._clock = clock
+        # (read at, device used, allocators, the reading): swapped whole, threads read at once
+        self._known: tuple[float, int, AllocatorBytes, MemorySample] | None = None
+
+    def __call__(self) -> MemorySample:
+        used, total = self._device()
+        held = self._allocators()
+        known = self._known
+        now = self._clock()
+        if known is not None and known[1] == used and known[2] == held and now - known[0] <= self._max_age_s:
+            return known[3]
+        sample = self._read()
+        if sample.process < 0:  # a full reading of the device instead: nothing to keep
+            return sample
+        sample = MemorySample(sample.process, used, total)
+        if self._device()[0] == used:
+            self._known = (now, used, held, sample)
+        return sample
 
 
 # How old the device-wide figure after a task may be (see ``AfterSampler``).
@@ -143,21 +197,28 @@ class AfterSampler:
     other processes did within that age is not seen; only the memory limit reads it,
     and a limit the figure says is passed is confirmed by ``full()``
     (``verdict.verdict_for``). A probe without ``sample_process``, or one that cannot
-    attribute memory to the process, is read in full."""
+    attribute memory to the process, is read in full. Given a ``ProcessReader``
+    (``process``), which reads the device's figures with every reading, it reads through
+    that instead."""
 
     def __init__(
         self,
         probe: MemoryProbe,
         max_age_s: float = DEVICE_READING_MAX_AGE_S,
         clock: Callable[[], float] = time.monotonic,
+        process: Callable[[], MemorySample] | None = None,
     ):
         self._probe = probe
         self._cheap = getattr(probe, "sample_process", None)
         self._max_age_s = max_age_s
         self._clock = clock
         self._last: tuple[float, MemorySample] | None = None  # swapped whole: threads read at once
+        # A ``ProcessReader`` reads the device's figures now with every reading: no estimate.
+        self._fresh = process if isinstance(process, ProcessReader) else None
 
     def __call__(self) -> MemorySample:
+        if self._fresh is not None:
+            return self._fresh()
         last = self._last
         if self._cheap is not None and last is not None and last[1].process >= 0:
             at, full = last
@@ -201,6 +262,10 @@ class NvmlProbe:
         """This process's bytes only: one driver call instead of two (the device-wide
         one is a good part of a reading). Device figures are 0."""
         return MemorySample(nvml.process_memory(self._handle, self._pid), 0, 0)
+
+    def sample_device(self) -> nvml.DeviceMemory:
+        """The whole device's memory in use and in all: the shortest driver call."""
+        return self._memory()
 
     def process_pids(self) -> list[int]:
         return nvml.process_pids(self._handle)

@@ -273,6 +273,44 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
     runs_ok_in_a_child_on_one_gpu(code)
 
 
+def test_the_process_list_is_read_again_only_once_the_device_moved():
+    """On a real GPU the device's figure stands still while nothing allocates, so the
+    guard's reading skips the process list then, and still follows every real change:
+    an allocation, a block back to CuPy's pool, the pool emptied."""
+    code = (
+        "import statistics, time, cupy\n"
+        "from prefect_gpu_dask.worker.probe import NvmlProbe, ProcessReader, process_sampler\n"
+        "class Counted(NvmlProbe):\n"
+        "    lists = 0\n"
+        "    def sample_process(self):\n"
+        "        Counted.lists += 1\n"
+        "        return super().sample_process()\n"
+        "probe = Counted(); read = process_sampler(probe); cupy.zeros(1)\n"
+        "assert isinstance(read, ProcessReader)\n"
+        "def truth(): return probe.sample().process\n"
+        "first = read(); assert first.process == truth() > 0, (first, truth())\n"
+        "lists = Counted.lists; idle = [read().process for _ in range(200)]\n"
+        "assert set(idle) == {truth()}, set(idle)\n"
+        "skipped = 200 - (Counted.lists - lists)\n"
+        "block = cupy.ones(2**25); cupy.cuda.Device().synchronize()\n"
+        "grown = read(); assert grown.process == truth() >= first.process + 2**28, (grown, first)\n"
+        "del block; back = read(); assert back.process == truth() == grown.process, (back, grown)\n"
+        "cupy.get_default_memory_pool().free_all_blocks()\n"
+        "emptied = read(); assert emptied.process == truth() < grown.process, (emptied, grown)\n"
+        "def median_us(f):\n"
+        "    times = []\n"
+        "    for _ in range(500):\n"
+        "        t = time.perf_counter(); f(); times.append(time.perf_counter() - t)\n"
+        "    return statistics.median(times) * 1e6\n"
+        "print(f'ok: idle readings without the process list: {skipped} of 200;'\n"
+        "      f' reading {median_us(read):.1f} us,'\n"
+        "      f' the process list {median_us(probe.sample_process):.1f} us,'\n"
+        "      f' the device figure {median_us(probe.sample_device):.1f} us')\n"
+        "assert skipped >= 150, skipped\n"
+    )
+    runs_ok_in_a_child_on_one_gpu(code)
+
+
 def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
     """The guard's per-process and device-memory reads keep the GIL (PyDLL calls), read
     what pynvml's own wrappers read, and stay fast while another thread wants the GIL;

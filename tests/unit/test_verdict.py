@@ -635,3 +635,97 @@ def test_the_peak_sampler_is_not_woken_for_each_task_and_goes_idle_between_them(
     reads = probe.reads
     time.sleep(0.2)
     assert probe.reads == reads  # idle: no reading without a task
+
+
+class DeviceFirst:
+    """A GPU read as NVML is: the device's figure (``sample_device``), the process list
+    (``sample_process``), each counted; ``during_list`` runs inside the list's reading,
+    as another process's allocation would land while the driver answers."""
+
+    gpu = ScriptedProbe.gpu
+    total = 16 * GiB
+
+    def __init__(self, process: int, others: int):
+        self.process, self.others, self.owned = process, others, process
+        self.device_reads = self.process_reads = 0
+        self.during_list = None
+
+    def sample_device(self) -> tuple[int, int]:
+        self.device_reads += 1
+        return self.process + self.others, self.total
+
+    def sample_process(self) -> MemorySample:
+        self.process_reads += 1
+        if self.during_list is not None:
+            self.during_list()
+        return MemorySample(self.process, 0, 0)
+
+    def sample(self) -> MemorySample:
+        return MemorySample(self.process, self.process + self.others, self.total)
+
+    def allocator_bytes(self) -> AllocatorBytes:
+        return AllocatorBytes(0, self.owned)
+
+
+def test_the_process_list_is_read_again_only_once_the_device_or_an_allocator_moved():
+    from prefect_gpu_dask.worker.probe import process_sampler
+
+    now = [0.0]
+    probe = DeviceFirst(1 * GiB, others=3 * GiB)
+    read = process_sampler(probe)
+    read._clock = lambda: now[0]
+    assert read() == MemorySample(1 * GiB, 4 * GiB, probe.total) and probe.process_reads == 1
+    assert read() == MemorySample(1 * GiB, 4 * GiB, probe.total) and probe.process_reads == 1
+    probe.others += 2 * GiB  # another process allocates: the device's figure moves
+    assert read() == MemorySample(1 * GiB, 6 * GiB, probe.total) and probe.process_reads == 2
+    probe.process, probe.others = 1 * GiB + 512 * MiB, probe.others - 512 * MiB  # offset exactly...
+    probe.owned += 512 * MiB  # ...but this process's allocator says it handed out more
+    assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 3
+    assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 3
+    now[0] = 1.5  # nothing moved, but the reading is older than a second
+    assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 4
+
+
+def test_a_process_reading_while_the_device_moved_stands_for_no_later_one():
+    from prefect_gpu_dask.worker.probe import process_sampler
+
+    probe = DeviceFirst(1 * GiB, others=3 * GiB)
+    read = process_sampler(probe)
+
+    def this_process_allocates():
+        probe.process += 256 * MiB
+        probe.during_list = None
+
+    probe.during_list = this_process_allocates  # lands after the device's figure was read
+    assert read() == MemorySample(1 * GiB + 256 * MiB, 4 * GiB, probe.total)
+    probe.process -= 256 * MiB  # and is freed: the device reads 4 GiB again
+    # The 4 GiB read before the list does not stand for what the list said.
+    assert read().judged == 1 * GiB and probe.process_reads == 2
+
+
+def test_a_guarded_task_that_moved_nothing_reads_no_process_list_and_a_leak_is_still_one():
+    probe = DeviceFirst(1 * GiB, others=3 * GiB)
+    probe.calls = []  # started_guard clears it
+    guard = started_guard(probe)
+    reads_before = probe.process_reads
+    for _ in range(3):
+        ticket, before, started = guard.begin()
+        verdict, _, _, _ = guard.end(ticket, before, started)
+        assert verdict.status == CLEAN and verdict.after.device_used == 4 * GiB
+    assert probe.process_reads - reads_before <= 1  # the first reading only, if the baseline's was not kept
+    ticket, before, started = guard.begin()
+    probe.process += 512 * MiB  # the task keeps 512 MiB its allocator still hands out
+    probe.owned += 512 * MiB
+    verdict, _, _, _ = guard.end(ticket, before, started)
+    assert verdict.status == LEAK and verdict.after.judged == 1 * GiB + 512 * MiB
+    assert verdict.after.device_used == 4 * GiB + 512 * MiB
+
+
+def test_memory_the_driver_cannot_attribute_is_read_in_full_every_time():
+    from prefect_gpu_dask.worker.probe import process_sampler
+
+    probe = DeviceFirst(-1, others=3 * GiB)
+    probe.owned = 0
+    read = process_sampler(probe)
+    assert read().judged == 3 * GiB - 1
+    assert read().judged == 3 * GiB - 1 and probe.process_reads == 2
