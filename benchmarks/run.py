@@ -267,6 +267,10 @@ def print_table(result: dict[str, Any]) -> None:
             "… with the screen, in the bench's process (µs)",
             result.get("guard", {}).get("in_bench_process", {}).get("guard_with_screen_us"),
         ),
+        (
+            "… with the screen, a worker sharing its GPU (µs)",
+            result.get("guard", {}).get("sharing_its_gpu", {}).get("guard_with_screen_us"),
+        ),
         ("speed-cube via runner: p95 / median", cube.get("runner", {}).get("p95_over_median")),
         (
             "… reporting to PostgreSQL: p95 / median",

@@ -143,14 +143,23 @@ def process_memory(handle: Any, pid: int) -> int:
     Returns -1 where the driver cannot attribute memory per process (some MIG and
     vGPU setups); callers then judge by device-wide memory.
     """
+    return process_memory_and_others(handle, pid)[0]
+
+
+def process_memory_and_others(handle: Any, pid: int) -> tuple[int, int]:
+    """``process_memory``, and how many other processes have a context on the device,
+    from one reading of the process list."""
     import pynvml
 
+    memory, others = 0, 0
     for proc in _compute_processes(handle):
-        if proc.pid == pid:
-            used = proc.usedGpuMemory
-            unknown = used is None or used == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
-            return -1 if unknown else int(used)
-    return 0
+        if proc.pid != pid:
+            others += 1
+            continue
+        used = proc.usedGpuMemory
+        unknown = used is None or used == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+        memory = -1 if unknown else int(used)
+    return memory, others
 
 
 def process_pids(handle: Any) -> list[int]:

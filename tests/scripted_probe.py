@@ -62,6 +62,9 @@ class FakeDeviceProbe:
         """As NVML's device figure: a leak or a free moves it (``probe.ProcessReader``)."""
         return sum(nbytes for nbytes, _ in FakeBlock.held()), TOTAL
 
+    def sample_process_and_others(self) -> tuple[MemorySample, int]:
+        return self.sample(), 0  # each worker process has a scripted GPU of its own
+
     def allocator_bytes(self) -> AllocatorBytes:
         return AllocatorBytes(owned=sum(nbytes for nbytes, pooled in FakeBlock.held() if pooled))
 

@@ -1,7 +1,12 @@
 """guard: the guard's ``begin()`` + ``end()`` around an empty task with the real NVML probe,
 each of its readings on its own, and the health check (before each ``gpu`` task, and the
 full one of the timer): in a task's thread on a GPU worker that has just run the
-speed-cube, where the guard runs, and in this benchmark's own process."""
+speed-cube, where the guard runs, and in this benchmark's own process.
+
+The worker runs on the last GPU, alone there as each of the default runner's workers is
+on its own GPU; where there are two or more, again on GPU 0, which this benchmark's own
+process shares with it (its CUDA context), as two clusters on one GPU share it: there
+the guard reads the process list with every reading."""
 
 from __future__ import annotations
 
@@ -21,22 +26,33 @@ def run(options: Options) -> Iterator[tuple[str, Any]]:
     if here.get("guard_us") is None:  # no GPU
         yield "guard", here
         return
-    in_worker = on_gpu_worker(SAMPLES, options.n, options.chunk)
-    yield "guard", in_worker | {"in_bench_process": here}
+    from prefect_gpu_dask.nvml import visible_gpu_count
+
+    last = visible_gpu_count() - 1
+    in_worker = on_gpu_worker(SAMPLES, options.n, options.chunk, last)
+    shared = {}
+    if last > 0:
+        shared = {"sharing_its_gpu": on_gpu_worker(SAMPLES, options.n, options.chunk, 0)}
+    yield "guard", in_worker | shared | {"in_bench_process": here}
 
 
-def on_gpu_worker(samples: int, n: int, chunk: int) -> dict[str, Any]:
-    """``bench_guard`` in a task on a one-GPU ``LocalCUDACluster`` worker, after that worker
-    computed the speed-cube: the process, its CUDA context and CuPy's pool as a guarded
-    task's thread finds them."""
+def on_gpu_worker(samples: int, n: int, chunk: int, gpu: int) -> dict[str, Any]:
+    """``bench_guard`` in a task on a one-GPU ``LocalCUDACluster`` worker on GPU ``gpu``
+    (its index among the visible ones), after that worker computed the speed-cube: the
+    process, its CUDA context and CuPy's pool as a guarded task's thread finds them."""
+    import os
+
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
     from benchmarks.common import check_cube, speed_cube_expr
 
-    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0") as cluster, Client(cluster) as client:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    device = visible.split(",")[gpu].strip() if visible else str(gpu)
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES=device) as cluster, Client(cluster) as client:
         check_cube(client.compute(speed_cube_expr(n, chunk, True)).result())
-        return client.submit(bench_guard, samples, pure=False).result() | {"where": "gpu worker task"}
+        measured = client.submit(bench_guard, samples, pure=False).result()
+        return measured | {"where": f"gpu worker task, GPU {device}"}
 
 
 def bench_guard(samples: int) -> dict[str, Any]:
@@ -101,12 +117,13 @@ def bench_guard(samples: int) -> dict[str, Any]:
     parts = {  # each reading and step of begin()+end() on its own
         "process_read": guard._read_process,  # the device's figure first, the list if it moved
         "process_list_read": guard.probe.sample_process,  # the driver's process list alone
-        "device_read": guard.probe.sample_device,
+        "device_read": getattr(guard.probe, "sample_device", None),  # where the package has it
         "allocators_read": guard._read_allocators,
         "device_and_process_read": guard.probe.sample,
         "after_read": guard._read_after,
         "peak_sampler_start_stop": peak_sampler_start_stop,
     }
+    parts = {name: step for name, step in parts.items() if step is not None}
     parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}
     pool = _cupy_pool()
     return {

@@ -93,8 +93,10 @@ class MemoryProbe(Protocol):
     """What the guard reads memory through.
 
     A probe may also offer ``sample_process() -> MemorySample``: a cheaper reading whose
-    device figures may be 0, and ``sample_device() -> (used, total)``: the whole device's
-    memory, cheaper still. The guard reads through ``process_sampler`` where only
+    device figures may be 0; with ``sample_process_and_others() -> (MemorySample, int)``,
+    the same and how many other processes have a context on the device, and
+    ``sample_device() -> (used, total)``, the whole device's memory, cheaper still, the
+    guard reads through a ``ProcessReader``. The guard reads through ``process_sampler`` where only
     ``judged`` matters (before a task, peaks during one) and ``sample()`` after. A probe
     that models its own allocator offers ``allocator_bytes() -> AllocatorBytes``;
     otherwise the guard asks the loaded libraries (``loaded_allocator_bytes``). A probe
@@ -123,67 +125,86 @@ def process_sampler(probe: MemoryProbe) -> Callable[[], MemorySample]:
     """The probe's cheapest reading that still gives a right ``judged``: its
     ``sample_process()`` where it has one, ``sample()`` when that cannot attribute
     memory to the process; through the device's own figure first (``ProcessReader``)
-    where the probe offers ``sample_device()``."""
+    where the probe offers ``sample_device()`` and ``sample_process_and_others()``."""
+    device = getattr(probe, "sample_device", None)
+    listed = getattr(probe, "sample_process_and_others", None)
+    if device is not None and listed is not None:
+        return ProcessReader(listed, device, allocator_reader(probe))
     cheap = getattr(probe, "sample_process", None)
     if cheap is None:
-        read = probe.sample
-    else:
+        return probe.sample
 
-        def read() -> MemorySample:
-            sample = cheap()
-            return sample if sample.process >= 0 else probe.sample()
+    def read() -> MemorySample:
+        sample = cheap()
+        return sample if sample.process >= 0 else probe.sample()
 
-    device = getattr(probe, "sample_device", None)
-    return read if device is None else ProcessReader(read, device, allocator_reader(probe))
+    return read
 
 
-# How long a process reading may stand in for new ones while nothing moved (``ProcessReader``).
+# How long a reading of the process list may stand for later ones (``ProcessReader``).
 KNOWN_READING_MAX_AGE_S = 1.0
 
 
+class _Kept(NamedTuple):
+    at: float
+    device_used: int
+    allocators: AllocatorBytes
+    sample: MemorySample
+
+
 class ProcessReader:
-    """This process's bytes on its GPU, read through the device's used memory first.
+    """This process's bytes on its GPU, with the device's figures, read through the
+    device's used memory first.
 
     The device's figure is one short driver call; the process list, a few times longer,
-    is most of what the guard costs a task. Any process's allocation or free moves the
-    device's figure, so while it and this process's allocators (CuPy's, torch's, RMM's
-    pools) stand where they stood at the last reading of the list, and that reading is
-    at most ``max_age_s`` old, the process holds what it held then, and the list is not
-    read again. A reading is kept only when the device's figure was the same before and
-    after it: nothing moved while the list was read. What this cannot see: a change in
-    this process outside every loaded allocator, exactly offset by another process's
-    opposite change between two readings.
+    was most of what the guard cost a task. While this process is the only one with a
+    context on the GPU, any change of its memory moves the device's figure, so while
+    that figure and this process's allocators (CuPy's, torch's, RMM's pools) stand where
+    they stood at a reading of the list at most ``max_age_s`` old, the process holds what
+    it held then, and the list is not read again. A reading is kept only where the list
+    showed no other process and the device's figure was the same before and after it:
+    another process's change could offset this one's, and a process that comes creates a
+    context, which moves the figure. Where the driver cannot attribute memory per process
+    (MIG, vGPU), the device's figure is the reading, and the list is read again once
+    ``max_age_s`` has passed.
     """
 
     def __init__(
         self,
-        read: Callable[[], MemorySample],
+        read_list: Callable[[], tuple[MemorySample, int]],
         device: Callable[[], tuple[int, int]],
         allocators: Callable[[], AllocatorBytes],
         max_age_s: float = KNOWN_READING_MAX_AGE_S,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self._read = read
+        self._read_list = read_list
         self._device = device
         self._allocators = allocators
         self._max_age_s = max_age_s
         self._clock = clock
-        # (read at, device used, allocators, the reading): swapped whole, threads read at once
-        self._known: tuple[float, int, AllocatorBytes, MemorySample] | None = None
+        self._kept: _Kept | None = None  # swapped whole: threads read at once
 
     def __call__(self) -> MemorySample:
         used, total = self._device()
         held = self._allocators()
-        known = self._known
         now = self._clock()
-        if known is not None and known[1] == used and known[2] == held and now - known[0] <= self._max_age_s:
-            return known[3]
-        sample = self._read()
-        if sample.process < 0:  # a full reading of the device instead: nothing to keep
-            return sample
-        sample = MemorySample(sample.process, used, total)
-        if self._device()[0] == used:
-            self._known = (now, used, held, sample)
+        kept = self._kept
+        if kept is not None and now - kept.at <= self._max_age_s:
+            if kept.sample.process < 0:
+                return MemorySample(-1, used, total)
+            if kept.device_used == used and kept.allocators == held:
+                return kept.sample
+        listed, others = self._read_list()
+        if listed.process < 0:
+            self._kept = _Kept(now, used, held, MemorySample(-1, used, total))
+            return self._kept.sample
+        if others:
+            self._kept = None
+            return MemorySample(listed.process, used, total)
+        after = self._device()[0]
+        sample = MemorySample(listed.process, after, total)
+        if after == used:
+            self._kept = _Kept(now, used, held, sample)
         return sample
 
 
@@ -262,6 +283,12 @@ class NvmlProbe:
         """This process's bytes only: one driver call instead of two (the device-wide
         one is a good part of a reading). Device figures are 0."""
         return MemorySample(nvml.process_memory(self._handle, self._pid), 0, 0)
+
+    def sample_process_and_others(self) -> tuple[MemorySample, int]:
+        """``sample_process()``, and how many other processes have a context on this GPU
+        (the same driver call)."""
+        memory, others = nvml.process_memory_and_others(self._handle, self._pid)
+        return MemorySample(memory, 0, 0), others
 
     def sample_device(self) -> nvml.DeviceMemory:
         """The whole device's memory in use and in all: the shortest driver call."""

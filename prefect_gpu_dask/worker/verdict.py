@@ -117,9 +117,11 @@ def judge(
     release_caches: Callable[[], None],
     sleep: Callable[[float], None],
     grew_before: bool,
+    read_again: Callable[[], MemorySample] | None = None,
 ) -> tuple[str, MemorySample]:
     """Sample after a task (``read``) and decide clean / cached / library / leak,
-    flushing only when needed.
+    flushing only when needed. ``read_again``: how to read after the flush (default
+    ``read``): in full, where ``read`` may answer from an earlier reading.
 
     Memory in use (``MemorySample.live``) is what is judged, so warm pools stay warm
     for the next task; only growth the pools cannot explain triggers the flush.
@@ -131,11 +133,12 @@ def judge(
         # The hot path: two NVML reads, no flush.
         return (CLEAN if after.judged - before.judged <= settings.leak_threshold else CACHED), after
     release_caches()
-    after = read()
+    read_again = read_again or read
+    after = read_again()
     if after.live - before.live <= settings.leak_threshold:
         return CACHED, after
     sleep(settings.settle_s)
-    after = read()
+    after = read_again()
     if after.live - before.live <= settings.leak_threshold:
         return CACHED, after
     held = owned_growth(before, after)
@@ -213,7 +216,7 @@ def verdict_for(
         delta = after.live - before.live
         reason = restart_reason(OOM, after, delta, tasks_run, settings, replacement_bytes)
         return Verdict(OOM, before, after, delta, reason, oom)
-    status, after = judge(read, before, settings, release_caches, sleep, grew_before)
+    status, after = judge(read, before, settings, release_caches, sleep, grew_before, read_in_full)
     if status != LEAK and over_limit(after, settings, replacement_bytes):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()

@@ -275,16 +275,17 @@ def test_process_reading_matches_the_full_reading_without_device_figures():
 
 def test_the_process_list_is_read_again_only_once_the_device_moved():
     """On a real GPU the device's figure stands still while nothing allocates, so the
-    guard's reading skips the process list then, and still follows every real change:
-    an allocation, a block back to CuPy's pool, the pool emptied."""
+    guard's reading skips the process list then; it follows every real change (CuPy's
+    pool growing, a block back to the pool, the pool emptied, memory outside every
+    allocator), and with another process on the GPU it reads the list every time."""
     code = (
-        "import statistics, time, cupy\n"
+        "import statistics, subprocess, sys, time, cupy\n"
         "from prefect_gpu_dask.worker.probe import NvmlProbe, ProcessReader, process_sampler\n"
         "class Counted(NvmlProbe):\n"
         "    lists = 0\n"
-        "    def sample_process(self):\n"
+        "    def sample_process_and_others(self):\n"
         "        Counted.lists += 1\n"
-        "        return super().sample_process()\n"
+        "        return super().sample_process_and_others()\n"
         "probe = Counted(); read = process_sampler(probe); cupy.zeros(1)\n"
         "assert isinstance(read, ProcessReader)\n"
         "def truth(): return probe.sample().process\n"
@@ -297,11 +298,25 @@ def test_the_process_list_is_read_again_only_once_the_device_moved():
         "del block; back = read(); assert back.process == truth() == grown.process, (back, grown)\n"
         "cupy.get_default_memory_pool().free_all_blocks()\n"
         "emptied = read(); assert emptied.process == truth() < grown.process, (emptied, grown)\n"
+        "read()\n"
+        "raw = cupy.cuda.runtime.malloc(2**28)\n"  # outside CuPy's pool: only the device's figure moves
+        "outside = read(); assert outside.process == truth() >= emptied.process + 2**28, (outside, emptied)\n"
+        "cupy.cuda.runtime.free(raw)\n"
+        "freed = read(); assert freed.process == truth() == emptied.process, (freed, emptied)\n"
+        "other = subprocess.Popen([sys.executable, '-c', 'import sys, cupy; a = cupy.ones(2**25);'\n"
+        "    ' cupy.cuda.Device().synchronize(); print(1, flush=True); sys.stdin.readline()'],\n"
+        "    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+        "other.stdout.readline(); read()\n"
+        "lists = Counted.lists; shared = [read().process for _ in range(20)]\n"
+        "listed = Counted.lists - lists\n"
+        "assert set(shared) == {truth()} and listed == 20, (set(shared), listed)\n"
+        "other.stdin.write('\\n'); other.stdin.flush(); other.wait()\n"
         "def median_us(f):\n"
         "    times = []\n"
         "    for _ in range(500):\n"
         "        t = time.perf_counter(); f(); times.append(time.perf_counter() - t)\n"
         "    return statistics.median(times) * 1e6\n"
+        "read(); read()\n"
         "print(f'ok: idle readings without the process list: {skipped} of 200;'\n"
         "      f' reading {median_us(read):.1f} us,'\n"
         "      f' the process list {median_us(probe.sample_process):.1f} us,'\n"

@@ -639,29 +639,32 @@ def test_the_peak_sampler_is_not_woken_for_each_task_and_goes_idle_between_them(
 
 class DeviceFirst:
     """A GPU read as NVML is: the device's figure (``sample_device``), the process list
-    (``sample_process``), each counted; ``during_list`` runs inside the list's reading,
-    as another process's allocation would land while the driver answers."""
+    (``sample_process_and_others``: this process's bytes, and how many other processes
+    are on the GPU), and the full reading, each counted; ``during_list`` runs inside the
+    list's reading, as an allocation landing while the driver answers would."""
 
     gpu = ScriptedProbe.gpu
     total = 16 * GiB
 
-    def __init__(self, process: int, others: int):
+    def __init__(self, process: int, others: int, other_processes: int = 0):
         self.process, self.others, self.owned = process, others, process
-        self.device_reads = self.process_reads = 0
+        self.other_processes = other_processes
+        self.device_reads = self.process_reads = self.full_reads = 0
         self.during_list = None
 
     def sample_device(self) -> tuple[int, int]:
         self.device_reads += 1
-        return self.process + self.others, self.total
+        return max(self.process, 0) + self.others, self.total
 
-    def sample_process(self) -> MemorySample:
+    def sample_process_and_others(self) -> tuple[MemorySample, int]:
         self.process_reads += 1
         if self.during_list is not None:
             self.during_list()
-        return MemorySample(self.process, 0, 0)
+        return MemorySample(self.process, 0, 0), self.other_processes
 
     def sample(self) -> MemorySample:
-        return MemorySample(self.process, self.process + self.others, self.total)
+        self.full_reads += 1
+        return MemorySample(self.process, max(self.process, 0) + self.others, self.total)
 
     def allocator_bytes(self) -> AllocatorBytes:
         return AllocatorBytes(0, self.owned)
@@ -676,9 +679,10 @@ def test_the_process_list_is_read_again_only_once_the_device_or_an_allocator_mov
     read._clock = lambda: now[0]
     assert read() == MemorySample(1 * GiB, 4 * GiB, probe.total) and probe.process_reads == 1
     assert read() == MemorySample(1 * GiB, 4 * GiB, probe.total) and probe.process_reads == 1
-    probe.others += 2 * GiB  # another process allocates: the device's figure moves
+    probe.others += 2 * GiB  # memory no process holds (the driver's): the device's figure moves
     assert read() == MemorySample(1 * GiB, 6 * GiB, probe.total) and probe.process_reads == 2
-    probe.process, probe.others = 1 * GiB + 512 * MiB, probe.others - 512 * MiB  # offset exactly...
+    probe.others -= 512 * MiB  # the driver gives back what this process takes from it...
+    probe.process += 512 * MiB
     probe.owned += 512 * MiB  # ...but this process's allocator says it handed out more
     assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 3
     assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 3
@@ -697,10 +701,29 @@ def test_a_process_reading_while_the_device_moved_stands_for_no_later_one():
         probe.during_list = None
 
     probe.during_list = this_process_allocates  # lands after the device's figure was read
-    assert read() == MemorySample(1 * GiB + 256 * MiB, 4 * GiB, probe.total)
+    # The device's figure read after the list goes with it.
+    assert read() == MemorySample(1 * GiB + 256 * MiB, 4 * GiB + 256 * MiB, probe.total)
     probe.process -= 256 * MiB  # and is freed: the device reads 4 GiB again
     # The 4 GiB read before the list does not stand for what the list said.
     assert read().judged == 1 * GiB and probe.process_reads == 2
+
+
+def test_with_another_process_on_the_gpu_every_reading_reads_the_list():
+    from prefect_gpu_dask.worker.probe import process_sampler
+
+    probe = DeviceFirst(1 * GiB, others=3 * GiB)
+    read = process_sampler(probe)
+    read(), read()
+    assert probe.process_reads == 1
+    probe.other_processes, probe.others = 1, 5 * GiB  # another cluster's worker comes, with 2 GiB
+    assert read().judged == 1 * GiB and probe.process_reads == 2
+    # It frees 512 MiB as this process takes them: the device's figure stands still.
+    probe.others, probe.process = probe.others - 512 * MiB, probe.process + 512 * MiB
+    assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 3
+    assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 4
+    probe.other_processes, probe.others = 0, 3 * GiB  # it leaves: alone again
+    read(), read()
+    assert probe.process_reads == 5
 
 
 def test_a_guarded_task_that_moved_nothing_reads_no_process_list_and_a_leak_is_still_one():
@@ -721,11 +744,28 @@ def test_a_guarded_task_that_moved_nothing_reads_no_process_list_and_a_leak_is_s
     assert verdict.after.device_used == 4 * GiB + 512 * MiB
 
 
-def test_memory_the_driver_cannot_attribute_is_read_in_full_every_time():
+def test_after_a_flush_the_leak_is_confirmed_by_full_readings():
+    probe = DeviceFirst(1 * GiB, others=3 * GiB)
+    probe.calls = []
+    guard = started_guard(probe)
+    ticket, before, started = guard.begin()
+    probe.process += 512 * MiB  # outside every allocator: a flush and a settle read it again
+    full_reads = probe.full_reads
+    verdict, _, _, _ = guard.end(ticket, before, started)
+    assert verdict.status == LIBRARY and verdict.after.judged == 1 * GiB + 512 * MiB
+    assert probe.full_reads - full_reads == 2  # after the flush, and after the settle
+
+
+def test_memory_the_driver_cannot_attribute_is_the_devices_figure():
     from prefect_gpu_dask.worker.probe import process_sampler
 
+    now = [0.0]
     probe = DeviceFirst(-1, others=3 * GiB)
     probe.owned = 0
     read = process_sampler(probe)
-    assert read().judged == 3 * GiB - 1
-    assert read().judged == 3 * GiB - 1 and probe.process_reads == 2
+    read._clock = lambda: now[0]
+    assert read() == MemorySample(-1, 3 * GiB, probe.total) and probe.process_reads == 1
+    probe.others = 4 * GiB
+    assert read().judged == 4 * GiB and probe.process_reads == 1  # the device's figure alone
+    now[0] = 1.5
+    assert read().judged == 4 * GiB and probe.process_reads == 2  # the list again, once a second
