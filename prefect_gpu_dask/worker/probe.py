@@ -166,7 +166,9 @@ class ProcessReader:
     another process's change could offset this one's, and a process that comes creates a
     context, which moves the figure. Where the driver cannot attribute memory per process
     (MIG, vGPU), the device's figure is the reading, and the list is read again once
-    ``max_age_s`` has passed.
+    ``max_age_s`` has passed. While the last list showed other processes, the list is
+    the reading, as without the device's figure (whose figures then read 0, as
+    ``sample_process``'s do), until one shows this process alone again.
     """
 
     def __init__(
@@ -183,8 +185,14 @@ class ProcessReader:
         self._max_age_s = max_age_s
         self._clock = clock
         self._kept: _Kept | None = None  # swapped whole: threads read at once
+        self._shared = False  # the last list showed other processes on the GPU
 
     def __call__(self) -> MemorySample:
+        if self._shared:
+            listed, others = self._read_list()
+            self._shared = others > 0
+            if listed.process >= 0:
+                return listed
         used, total = self._device()
         held = self._allocators()
         now = self._clock()
@@ -199,7 +207,7 @@ class ProcessReader:
             self._kept = _Kept(now, used, held, MemorySample(-1, used, total))
             return self._kept.sample
         if others:
-            self._kept = None
+            self._kept, self._shared = None, True
             return MemorySample(listed.process, used, total)
         after = self._device()[0]
         sample = MemorySample(listed.process, after, total)
@@ -239,18 +247,28 @@ class AfterSampler:
 
     def __call__(self) -> MemorySample:
         if self._fresh is not None:
-            return self._fresh()
-        last = self._last
-        if self._cheap is not None and last is not None and last[1].process >= 0:
-            at, full = last
-            if self._clock() - at <= self._max_age_s:
-                sample = self._cheap()
-                if sample.process >= 0:
-                    used = full.device_used + sample.process - full.process
-                    return MemorySample(
-                        sample.process, min(max(used, 0), full.device_total), full.device_total
-                    )
+            sample = self._fresh()
+            return sample if sample.device_total else self._moved(sample)
+        if self._cheap is not None and self._recent() is not None:
+            sample = self._cheap()
+            if sample.process >= 0:
+                return self._moved(sample)
         return self.full()
+
+    def _recent(self) -> MemorySample | None:
+        last = self._last
+        if last is None or last[1].process < 0 or self._clock() - last[0] > self._max_age_s:
+            return None
+        return last[1]
+
+    def _moved(self, sample: MemorySample) -> MemorySample:
+        """The device's figures of the recent full reading, moved by this process's change
+        since (``sample``: this process's bytes now); a full reading where none is recent."""
+        full = self._recent()
+        if full is None:
+            return self.full()
+        used = full.device_used + sample.process - full.process
+        return MemorySample(sample.process, min(max(used, 0), full.device_total), full.device_total)
 
     def full(self) -> MemorySample:
         """A full reading now, which later estimates start from."""

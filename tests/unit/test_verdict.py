@@ -719,11 +719,13 @@ def test_with_another_process_on_the_gpu_every_reading_reads_the_list():
     assert read().judged == 1 * GiB and probe.process_reads == 2
     # It frees 512 MiB as this process takes them: the device's figure stands still.
     probe.others, probe.process = probe.others - 512 * MiB, probe.process + 512 * MiB
+    device_reads = probe.device_reads
     assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 3
     assert read().judged == 1 * GiB + 512 * MiB and probe.process_reads == 4
+    assert probe.device_reads == device_reads  # the list alone, as before the device's figure
     probe.other_processes, probe.others = 0, 3 * GiB  # it leaves: alone again
-    read(), read()
-    assert probe.process_reads == 5
+    read(), read(), read(), read()
+    assert probe.process_reads == 6  # the list that shows it gone, then one kept
 
 
 def test_a_guarded_task_that_moved_nothing_reads_no_process_list_and_a_leak_is_still_one():
@@ -769,3 +771,14 @@ def test_memory_the_driver_cannot_attribute_is_the_devices_figure():
     assert read().judged == 4 * GiB and probe.process_reads == 1  # the device's figure alone
     now[0] = 1.5
     assert read().judged == 4 * GiB and probe.process_reads == 2  # the list again, once a second
+
+
+def test_beside_another_process_the_reading_after_a_task_has_the_devices_figures():
+    probe = DeviceFirst(1 * GiB, others=3 * GiB, other_processes=1)
+    probe.calls = []
+    guard = started_guard(probe)
+    for _ in range(3):
+        ticket, before, started = guard.begin()
+        verdict, _, _, _ = guard.end(ticket, before, started)
+        assert verdict.status == CLEAN and verdict.after.judged == 1 * GiB
+        assert (verdict.after.device_used, verdict.after.device_total) == (4 * GiB, probe.total)
