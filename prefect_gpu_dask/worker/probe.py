@@ -168,7 +168,12 @@ class ProcessReader:
     (MIG, vGPU), the device's figure is the reading, and the list is read again once
     ``max_age_s`` has passed. While the last list showed other processes, the list is
     the reading, as without the device's figure (whose figures then read 0, as
-    ``sample_process``'s do), until one shows this process alone again.
+    ``sample_process``'s do), until one shows this process alone again. "Other
+    processes" are those NVML lists with a CUDA context on the device.
+
+    Threads share one reader; the kept reading and the mode are swapped whole, and a
+    thread may keep a reading another has just dropped: it stands only while the
+    device's figure is exactly what it was when that reading was made.
     """
 
     def __init__(
@@ -190,29 +195,38 @@ class ProcessReader:
     def __call__(self) -> MemorySample:
         if self._shared:
             listed, others = self._read_list()
-            self._shared = others > 0
             if listed.process >= 0:
+                self._shared = others > 0
                 return listed
+            self._shared = False
+            used, total = self._device()
+            return self._unattributed(used, total, self._clock())
         used, total = self._device()
-        held = self._allocators()
         now = self._clock()
         kept = self._kept
-        if kept is not None and now - kept.at <= self._max_age_s:
-            if kept.sample.process < 0:
-                return MemorySample(-1, used, total)
-            if kept.device_used == used and kept.allocators == held:
-                return kept.sample
+        recent = kept is not None and now - kept.at <= self._max_age_s
+        if recent and kept.sample.process < 0:
+            return MemorySample(-1, used, total)
+        held = self._allocators()
+        if recent and kept.device_used == used and kept.allocators == held:
+            return kept.sample
         listed, others = self._read_list()
         if listed.process < 0:
-            self._kept = _Kept(now, used, held, MemorySample(-1, used, total))
-            return self._kept.sample
+            return self._unattributed(used, total, now)
+        after = self._device()[0]
         if others:
             self._kept, self._shared = None, True
-            return MemorySample(listed.process, used, total)
-        after = self._device()[0]
+            return MemorySample(listed.process, after, total)
         sample = MemorySample(listed.process, after, total)
         if after == used:
             self._kept = _Kept(now, used, held, sample)
+        return sample
+
+    def _unattributed(self, used: int, total: int, now: float) -> MemorySample:
+        """The driver cannot attribute memory per process: the device's figure is the
+        reading until the list is read again, ``max_age_s`` from now."""
+        sample = MemorySample(-1, used, total)
+        self._kept = _Kept(now, used, AllocatorBytes(), sample)
         return sample
 
 
@@ -263,10 +277,17 @@ class AfterSampler:
 
     def _moved(self, sample: MemorySample) -> MemorySample:
         """The device's figures of the recent full reading, moved by this process's change
-        since (``sample``: this process's bytes now); a full reading where none is recent."""
+        since (``sample``: this process's bytes now); where none is recent, ``sample``
+        with the device's figures read now, which later estimates start from."""
         full = self._recent()
         if full is None:
-            return self.full()
+            device = getattr(self._probe, "sample_device", None)
+            if device is None:
+                return self.full()
+            used, total = device()
+            full = MemorySample(sample.process, used, total)
+            self._last = (self._clock(), full)
+            return full
         used = full.device_used + sample.process - full.process
         return MemorySample(sample.process, min(max(used, 0), full.device_total), full.device_total)
 

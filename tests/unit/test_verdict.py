@@ -782,3 +782,75 @@ def test_beside_another_process_the_reading_after_a_task_has_the_devices_figures
         verdict, _, _, _ = guard.end(ticket, before, started)
         assert verdict.status == CLEAN and verdict.after.judged == 1 * GiB
         assert (verdict.after.device_used, verdict.after.device_total) == (4 * GiB, probe.total)
+
+
+def test_beside_another_process_a_reading_after_a_task_reads_the_list_once():
+    from prefect_gpu_dask.worker.probe import AfterSampler, process_sampler
+
+    now = [0.0]
+    probe = DeviceFirst(1 * GiB, others=3 * GiB, other_processes=1)
+    reader = process_sampler(probe)
+    reader._clock = lambda: now[0]
+    after = AfterSampler(probe, clock=lambda: now[0], process=reader)
+    reader()  # finds the other process
+    for at in (5.0, 10.0, 10.5):  # tasks seconds apart, then one soon after
+        now[0] = at
+        lists, fulls = probe.process_reads, probe.full_reads
+        assert after() == MemorySample(1 * GiB, 4 * GiB, probe.total)
+        assert (probe.process_reads - lists, probe.full_reads - fulls) == (1, 0)
+
+
+def test_a_reading_kept_while_alone_does_not_outlive_another_process_coming():
+    from prefect_gpu_dask.worker.probe import process_sampler
+
+    probe = DeviceFirst(1 * GiB, others=3 * GiB)
+    read = process_sampler(probe)
+    read(), read()  # kept: 4 GiB on the device, 1 GiB here
+    probe.other_processes, probe.others = 1, 4 * GiB  # another process comes with 1 GiB
+    assert read().judged == 1 * GiB
+    # It leaves as this process takes 512 MiB no allocator knows of, and the driver's
+    # own memory shrinks by as much: the device reads 4 GiB again.
+    probe.other_processes, probe.others, probe.process = 0, 2.5 * GiB, 1.5 * GiB
+    assert read().judged == 1.5 * GiB  # the list that shows it gone
+    assert read().judged == 1.5 * GiB  # not the reading kept before it came
+
+
+def test_mig_beside_other_processes_reads_the_list_once_a_second():
+    from prefect_gpu_dask.worker.probe import process_sampler
+
+    now = [0.0]
+    probe = DeviceFirst(0, others=3 * GiB, other_processes=1)  # no context here yet
+    read = process_sampler(probe)
+    read._clock = lambda: now[0]
+    assert read().judged == 0
+    probe.process = -1  # the context made: memory no process list can attribute
+    assert read() == MemorySample(-1, 3 * GiB, probe.total)
+    lists = probe.process_reads
+    for _ in range(10):
+        read()
+    assert probe.process_reads == lists
+    now[0] = 1.5
+    read(), read()
+    assert probe.process_reads == lists + 1
+
+
+@pytest.mark.parametrize(
+    "mine, others, recycled",
+    [(1 * GiB, 15 * GiB, False), (4 * GiB, 11 * GiB, True)],
+    ids=["another process fills the GPU", "this worker fills it"],
+)
+def test_beside_another_process_the_memory_limit_recycles_only_for_this_workers_own(mine, others, recycled):
+    now = [0.0]
+    probe = DeviceFirst(1 * GiB, others=3 * GiB, other_processes=1)
+    probe.calls = []
+    guard = started_guard(probe)
+    guard._read_after._clock = lambda: now[0]
+    ticket, before, started = guard.begin()
+    verdict, _, _, _ = guard.end(ticket, before, started)
+    assert verdict.restart_reason is None and verdict.after.device_used == 4 * GiB
+    probe.process, probe.owned, probe.others = mine, mine, others  # between tasks
+    now[0] = 1.5  # the device's figure after a task is at most a second old
+    ticket, before, started = guard.begin()
+    verdict, _, _, _ = guard.end(ticket, before, started)
+    assert verdict.status == CLEAN and verdict.after.device_used == mine + others
+    assert (verdict.restart_reason or "").startswith("memory limit") == recycled
