@@ -207,6 +207,48 @@ def default_task_run_recorder_batches(batch_size: int, flush_interval_s: float) 
     return True
 
 
+def write_task_run_events_as_they_come(make_consumer: Callable[..., Any]) -> bool:
+    """Give the API server's task-run recorder the message handler ``make_consumer``
+    makes (``api_server.recorder.consumer``), fed Prefect's own filter and bulk write.
+    Returns whether this call changed it.
+
+    ``TaskRunRecorder.start`` enters ``task_run_recorder.consumer(write_batch_size,
+    flush_every, max_persist_retries)``, whose batches wait for their size or the flush
+    interval. Public replacement: a recorder setting to write whenever it is idle.
+    """
+    import prefect.server.services.task_run_recorder as recorder
+    from prefect.server.events.schemas.events import ReceivedEvent
+
+    if getattr(recorder.consumer, "writes_as_they_come", False):
+        return False
+
+    def recorded(message: Any) -> Any:
+        # Prefect's filter, from its consumer's message handler.
+        event = ReceivedEvent.model_validate_json(message.data)
+        if not event.event.startswith("prefect.task-run"):
+            return None
+        if event.resource.get("prefect.orchestration") != "client":
+            return None
+        return event
+
+    def consumer(
+        write_batch_size: int,
+        flush_every: int,
+        max_persist_retries: int = recorder.DEFAULT_PERSIST_MAX_RETRIES,
+    ) -> Any:
+        return make_consumer(
+            write_batch_size,
+            flush_every,
+            max_persist_retries,
+            recorded=recorded,
+            write=recorder.record_bulk_task_run_events,
+        )
+
+    consumer.writes_as_they_come = True  # type: ignore[attr-defined]
+    recorder.consumer = consumer
+    return True
+
+
 def keep_every_recorded_event() -> bool:
     """Let the subscriptions of the task-run recorder and the event persister to Prefect's
     in-memory message broker grow instead of dropping events when they are 10,000

@@ -70,5 +70,8 @@ def wanted() -> bool:
 if wanted():
     _compat.begin_sqlite_write_transactions_immediate()
 if in_server() and not turned_off(RECORDER_OPT_OUT) and on_sqlite():
+    from prefect_gpu_dask.api_server import recorder
+
     _compat.default_task_run_recorder_batches(RECORDER_BATCH_SIZE, RECORDER_FLUSH_S)
+    _compat.write_task_run_events_as_they_come(recorder.consumer)
     _compat.keep_every_recorded_event()

@@ -1,7 +1,8 @@
 """Prefect's API server on SQLite, started where this package is installed: a flow run
 created while another connection writes waits for the write lock instead of failing
-with "database is locked" (answered 503); its task-run recorder writes in batches and
-keeps every event; with the plugin turned off, Prefect's own behaviour comes back."""
+with "database is locked" (answered 503); its task-run recorder writes events as they
+come, in batches under load, and keeps every event; with the plugin turned off,
+Prefect's own behaviour comes back."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.api_server.sqlite import OPT_OUT, RECORDER_OPT_OUT
-from tests.servers import SQLITE_FILES, prefect_server
+from tests.servers import SQLITE_FILES, prefect_server, using_prefect_server
 
 HOLD_S = 2.0
 
@@ -70,12 +71,12 @@ def test_turned_off_prefects_deferred_transaction_fails_against_the_same_write(m
 @pytest.mark.parametrize(
     "environment, batches",
     [
-        ({}, "batch size 100 and flush every 1 seconds"),
+        ({}, "writing events as they come, up to 100 a transaction"),
         (
             {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "7"},
-            "batch size 7 and flush every 1 seconds",
+            "writing events as they come, up to 7 a transaction",
         ),
-        ({RECORDER_OPT_OUT: "false"}, "batch size 1 and flush every 5 seconds"),
+        ({RECORDER_OPT_OUT: "false"}, "with batch size 1 and flush every 5 seconds"),
     ],
     ids=["default", "user-set", "turned-off"],
 )
@@ -92,7 +93,42 @@ def test_a_sqlite_servers_task_run_recorder_writes_in_batches_unless_told_otherw
         while starting not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         created = [line for line in log.read_text().splitlines() if starting in line]
-    assert len(created) == 1 and created[0].endswith(f"with {batches}"), created
+    assert len(created) == 1 and created[0].endswith(batches), created
+
+
+def test_an_idle_sqlite_server_records_a_task_run_at_once(monkeypatch):
+    """A task run's final state is in the database as soon as its events reach the
+    server, not at the recorder's next flush (made 60 s here, so a timed batch shows)."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.events.worker import EventsWorker
+
+    monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "60")
+
+    @task
+    def one() -> int:
+        return 1
+
+    @flow
+    def a_flow_of_one_task():
+        return one.submit().result()
+
+    with using_prefect_server():
+        state = a_flow_of_one_task(return_state=True)
+        EventsWorker.drain_all()  # the task run's events have reached the server
+        reached = time.monotonic()
+        with get_client(sync_client=True) as client:
+            runs_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            while True:
+                runs = client.read_task_runs(flow_run_filter=runs_filter)
+                if runs and all(run.state is not None and run.state.is_completed() for run in runs):
+                    break
+                assert time.monotonic() - reached < 30, f"not recorded after 30 s: {runs}"
+                time.sleep(0.05)
+        took = time.monotonic() - reached
+    assert len(runs) == 1
+    assert took < 30, took
 
 
 def test_the_recorders_and_persisters_queues_keep_events_past_the_brokers_limit(monkeypatch):
