@@ -1,13 +1,14 @@
 """The task-run recorder of a SQLite server: each write takes every event that came
-while the last one ran, up to a batch, so an event waits for at most one write.
+while the last ones ran, up to a batch, so an event waits for writes already running,
+never for a timer.
 
 Prefect's recorder writes one event a transaction by default; given a batch, it waits
 for the batch to fill or for its flush interval, so on a quiet server a task run's
 states reach the database a second late, and a client that reads them right after its
-flow run ended finds them missing. Here the writer starts as soon as an event comes and
-nothing is being written; events that come meanwhile queue up and go in the next
-write, together. An idle server records an event at once; under a burst, the writes
-grow to the batch and the server commits as seldom as a timed batch would.
+flow run ended finds them missing. Here a write starts as soon as an event comes and a
+writer is free; events that come meanwhile queue up and go in the next write,
+together. An idle server records an event at once; under a burst, the writes grow to
+the batch and the server commits as seldom as a timed batch would.
 
 A failed write keeps Prefect's accounting: each event is tried again, up to its limit,
 after the flush interval; an event past it is dropped and logged. On the way out what
@@ -37,12 +38,14 @@ class Pending(Generic[Event]):
 
 
 class GroupCommitWriter(Generic[Event]):
-    """Writes events with ``write`` as they come: one write at a time, each taking what
-    queued meanwhile, at most ``batch_size``.
+    """Writes events with ``write`` as they come: at most ``writers`` writes at a time,
+    each taking what queued while the others ran, at most ``batch_size``.
 
     ``add`` waits while ``batch_size`` events are queued (the broker's own queue holds
     the rest). ``retry_after_s``: the pause after a failed write. ``max_retries``: the
-    failed writes an event survives.
+    failed writes an event survives. Two writers, as Prefect's recorder has (its broker
+    consumer's two handlers each flush a full batch): one builds its rows while the
+    other waits on the database.
     """
 
     def __init__(
@@ -51,15 +54,19 @@ class GroupCommitWriter(Generic[Event]):
         batch_size: int,
         retry_after_s: float,
         max_retries: int,
+        writers: int = 2,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
         if retry_after_s < 0:
             raise ValueError(f"retry_after_s must not be negative, not {retry_after_s!r}")
+        if writers < 1:
+            raise ValueError(f"writers must be at least 1, not {writers!r}")
         self.write = write
         self.batch_size = batch_size
         self.retry_after_s = retry_after_s
         self.max_retries = max_retries
+        self.writers = writers
         self._queue: asyncio.Queue[Pending[Event]] = asyncio.Queue(maxsize=batch_size)
         self._retrying: list[Pending[Event]] = []
         self._stopping = False
@@ -72,6 +79,9 @@ class GroupCommitWriter(Generic[Event]):
 
     async def run(self) -> None:
         """Write until cancelled by ``stop``; a batch in flight then goes back to the queue."""
+        await asyncio.gather(*(self._write_continuously() for _ in range(self.writers)))
+
+    async def _write_continuously(self) -> None:
         while True:
             batch = await self._next_batch()
             try:
@@ -79,7 +89,7 @@ class GroupCommitWriter(Generic[Event]):
             except asyncio.CancelledError:
                 if self._stopping:
                     self._retrying[:0] = batch
-                    return
+                    raise
                 # Database drivers can surface a lost connection as CancelledError.
                 await self._failed(batch)
             except Exception:

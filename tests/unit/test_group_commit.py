@@ -57,7 +57,7 @@ def test_events_that_come_during_a_write_go_together_in_the_next_up_to_the_batch
     async def scenario():
         db = ScriptedDatabase()
         db.hold = asyncio.Event()
-        writer = GroupCommitWriter(db.write, batch_size=3, retry_after_s=30, max_retries=5)
+        writer = GroupCommitWriter(db.write, batch_size=3, retry_after_s=30, max_retries=5, writers=1)
         running = asyncio.create_task(writer.run())
         await writer.add(1)
         await db.entered.wait()  # the first write is in flight
@@ -71,6 +71,35 @@ def test_events_that_come_during_a_write_go_together_in_the_next_up_to_the_batch
         return db.writes
 
     assert asyncio.run(scenario()) == [[1], [2, 3, 4], [5, 6]]
+
+
+def test_a_second_writer_writes_what_came_while_the_first_waits_on_the_database():
+    async def scenario():
+        slow = asyncio.Event()
+        writes: list[list[int]] = []
+
+        async def write(events):
+            if 1 in events:
+                await slow.wait()  # the first write waits on the database
+            writes.append(list(events))
+
+        writer = GroupCommitWriter(write, batch_size=10, retry_after_s=30, max_retries=5, writers=2)
+        running = asyncio.create_task(writer.run())
+        await writer.add(1)
+        await asyncio.sleep(0.01)
+        for n in (2, 3):
+            await writer.add(n)
+        await until(lambda: writes)  # written while the first still waits
+        during = list(writes)
+        slow.set()
+        await until(lambda: len(writes) == len(during) + 1)
+        await writer.stop(running)
+        return during, writes
+
+    during, writes = asyncio.run(scenario())
+    assert during and 1 not in during[0], during
+    assert sorted(e for w in writes for e in w) == [1, 2, 3]
+    assert writes[-1] == [1]
 
 
 def test_a_failed_write_is_tried_again_and_an_event_past_its_retries_is_dropped(caplog):
@@ -96,7 +125,7 @@ def test_stopping_writes_the_batch_in_flight_and_everything_queued():
     async def scenario():
         db = ScriptedDatabase()
         db.hold = asyncio.Event()
-        writer = GroupCommitWriter(db.write, batch_size=2, retry_after_s=30, max_retries=5)
+        writer = GroupCommitWriter(db.write, batch_size=2, retry_after_s=30, max_retries=5, writers=1)
         running = asyncio.create_task(writer.run())
         await writer.add(1)
         await db.entered.wait()
@@ -124,10 +153,13 @@ def test_the_consumer_records_only_what_the_filter_keeps():
     assert asyncio.run(scenario()) == [1, 3, 5]
 
 
-@pytest.mark.parametrize("batch_size, retry_after_s", [(0, 1.0), (10, -1.0)])
-def test_bad_settings_are_named(batch_size, retry_after_s):
+@pytest.mark.parametrize(
+    "batch_size, retry_after_s, writers, named",
+    [(0, 1.0, 2, "batch_size must be at least 1, not 0"), (10, -1.0, 2, "not -1.0"), (10, 1.0, 0, "writers")],
+)
+def test_bad_settings_are_named(batch_size, retry_after_s, writers, named):
     async def make():
-        GroupCommitWriter(lambda events: None, batch_size, retry_after_s, 5)
+        GroupCommitWriter(lambda events: None, batch_size, retry_after_s, 5, writers=writers)
 
-    with pytest.raises(ValueError, match=repr(batch_size if batch_size < 1 else retry_after_s)):
+    with pytest.raises(ValueError, match=named):
         asyncio.run(make())
