@@ -7,6 +7,9 @@ took to record them all and how many never became final, and counts the server's
 
     python benchmarks/probes/event_loss.py [--tasks 2000] [--flows 3] [--threads 8] [--out FILE]
 
+With few tasks and a short ``--poll`` it measures how soon a quiet server records a flow
+run's task runs: ``--tasks 10 --flows 20 --poll 0.02``.
+
 ``--per-consumer`` also counts, inside the server, each broker consumer's dropped
 messages and deepest queue (a ``sitecustomize`` the embedded server picks up from
 ``PYTHONPATH``, wrapping Prefect's in-memory ``Consumer`` and ``Subscription.deliver``).
@@ -25,6 +28,7 @@ use_readme_default("event-loss")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -105,6 +109,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--settle", type=float, default=20.0, help="seconds to wait after each flow run")
     parser.add_argument("--catch-up", type=float, default=300.0, help="seconds to wait after the last")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between reads of the task runs")
     parser.add_argument("--per-consumer", action="store_true", help="count each consumer's drops")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -146,7 +151,7 @@ def main() -> int:
             final = sum(n for state, n in counts.items() if state in FINAL)
             if final >= args.tasks or time.perf_counter() - ended > args.settle:
                 break
-            time.sleep(0.5)
+            time.sleep(args.poll)
         row = {
             "flow": i,
             "flow_run_id": flow_run_id,
@@ -169,8 +174,13 @@ def main() -> int:
         if not_final == 0 or time.perf_counter() > deadline:
             break
         time.sleep(10)
+    lags = sorted(row["recorded_after_s"] for row in rows)
     summary = {
         "probe": "event_loss",
+        "recorded_after_s": {
+            "median": statistics.median(lags),
+            "p95": lags[min(len(lags) - 1, int(0.95 * len(lags)))],
+        },
         "args": vars(args),
         "cores": os.cpu_count(),
         "rows": rows,
@@ -182,6 +192,11 @@ def main() -> int:
         time.sleep(2.5)
         summary["per_consumer"] = json.loads(per_consumer.read_text()) if per_consumer.exists() else None
         print("per consumer:", summary["per_consumer"])
+    lag = summary["recorded_after_s"]
+    print(
+        f"a flow run's task runs all final after its end: median {lag['median']:.3f} s, "
+        f"p95 {lag['p95']:.3f} s (polled every {args.poll:g} s)"
+    )
     print(
         f"task runs not final {args.settle:g} s after their flow run: {summary['not_final']}; "
         f"{later[-1]['after_last_flow_s']:g} s after the last: {later[-1]['not_final']}; "
