@@ -230,7 +230,7 @@ def recorded_task_run(
     task_run_id, settled=lambda run: run.state is not None and run.state.is_final(), timeout=30
 ):
     """The task run as the API has recorded it, once ``settled(run)``: its states reach the
-    server as events, which its task-run recorder writes in batches (a second or so late),
+    server as events, which its task-run recorder writes behind them (seconds behind a burst),
     so poll, taking "not found" for "not yet"."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound

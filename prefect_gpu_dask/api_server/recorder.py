@@ -4,7 +4,7 @@ never for a timer.
 
 Prefect's recorder writes one event a transaction by default; given a batch, it waits
 for the batch to fill or for its flush interval, so on a quiet server a task run's
-states reach the database a second late, and a client that reads them right after its
+states reach the database up to a second late, and a client that reads them right after its
 flow run ended finds them missing. Here a write starts as soon as an event comes and a
 writer is free; events that come meanwhile queue up and go in the next write,
 together. An idle server records an event at once; under a burst, the writes grow to
@@ -41,11 +41,12 @@ class GroupCommitWriter(Generic[Event]):
     """Writes events with ``write`` as they come: at most ``writers`` writes at a time,
     each taking what queued while the others ran, at most ``batch_size``.
 
-    ``add`` waits while ``batch_size`` events are queued (the broker's own queue holds
-    the rest). ``retry_after_s``: the pause after a failed write. ``max_retries``: the
-    failed writes an event survives. Two writers, as Prefect's recorder has (its broker
-    consumer's two handlers each flush a full batch): one builds its rows while the
-    other waits on the database.
+    ``add`` queues its event, then waits while more than ``batch_size`` are queued (the
+    broker's own queue holds the rest): an ``add`` cancelled while it waits has already
+    queued its event. ``retry_after_s``: the pause before a failed write is tried again,
+    by the writer whose write failed. ``max_retries``: the failed writes an event
+    survives. Two writers, as Prefect's recorder has (its broker consumer's two handlers
+    each flush a full batch): one builds its rows while the other waits on the database.
     """
 
     def __init__(
@@ -67,43 +68,64 @@ class GroupCommitWriter(Generic[Event]):
         self.retry_after_s = retry_after_s
         self.max_retries = max_retries
         self.writers = writers
-        self._queue: asyncio.Queue[Pending[Event]] = asyncio.Queue(maxsize=batch_size)
-        self._retrying: list[Pending[Event]] = []
+        self._queue: asyncio.Queue[Pending[Event]] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._unfinished: list[Pending[Event]] = []  # batches a stop interrupted
         self._stopping = False
 
     async def add(self, event: Event) -> None:
-        await self._queue.put(Pending(event))
+        self._queue.put_nowait(Pending(event))
+        while self._queue.qsize() > self.batch_size:
+            self._room.clear()
+            await self._room.wait()
 
     def queued(self) -> int:
-        return self._queue.qsize() + len(self._retrying)
+        return self._queue.qsize() + len(self._unfinished)
 
     async def run(self) -> None:
-        """Write until cancelled by ``stop``; a batch in flight then goes back to the queue."""
-        await asyncio.gather(*(self._write_continuously() for _ in range(self.writers)))
+        """Write until cancelled by ``stop``; a batch in flight then waits for ``stop``."""
+        writers = [asyncio.ensure_future(self._write_continuously()) for _ in range(self.writers)]
+        try:
+            await asyncio.gather(*writers)
+        finally:
+            for writer in writers:  # one that failed leaves none behind
+                writer.cancel()
+            await asyncio.wait(writers)
 
     async def _write_continuously(self) -> None:
+        batch: list[Pending[Event]] = []
         while True:
-            batch = await self._next_batch()
+            if not batch:
+                batch = await self._next_batch()
             try:
                 await self.write([pending.event for pending in batch])
+                batch = []
             except asyncio.CancelledError:
-                if self._stopping:
-                    self._retrying[:0] = batch
+                if self._asked_to_stop():
+                    self._unfinished[:0] = batch
                     raise
                 # Database drivers can surface a lost connection as CancelledError.
-                await self._failed(batch)
+                batch = await self._failed(batch)
             except Exception:
-                await self._failed(batch)
+                batch = await self._failed(batch)
+
+    def _asked_to_stop(self) -> bool:
+        """Whether a CancelledError here means stop: ``stop`` was called, or (Python 3.11+)
+        this task was cancelled, as the event loop's shutdown cancels every task; one a
+        database driver raises without a cancel does not."""
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)
+        return self._stopping or (cancelling is not None and cancelling() > 0)
 
     async def stop(self, running: asyncio.Task[None]) -> None:
         """Stop ``running`` (this writer's ``run``) and write what is left."""
         self._stopping = True
         running.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await running
+        await asyncio.wait([running])
+        if not running.cancelled() and running.exception() is not None:
+            logger.error("The task-run event writers failed", exc_info=running.exception())
         while self.queued():
-            batch = self._take_now(self._retrying[: self.batch_size])
-            del self._retrying[: self.batch_size]
+            batch = self._take_now(self._unfinished[: self.batch_size])
+            del self._unfinished[: self.batch_size]
             try:
                 await self.write([pending.event for pending in batch])
             except Exception:
@@ -111,23 +133,26 @@ class GroupCommitWriter(Generic[Event]):
                 self._count_failure(batch, requeue=False)
 
     async def _next_batch(self) -> list[Pending[Event]]:
-        batch = self._retrying[: self.batch_size]
-        del self._retrying[: self.batch_size]
-        if not batch:
-            batch.append(await self._queue.get())
-        return self._take_now(batch)
+        return self._take_now([await self._queue.get()])
 
     def _take_now(self, batch: list[Pending[Event]]) -> list[Pending[Event]]:
         while len(batch) < self.batch_size and not self._queue.empty():
             batch.append(self._queue.get_nowait())
+        self._room.set()
         return batch
 
-    async def _failed(self, batch: list[Pending[Event]]) -> None:
+    async def _failed(self, batch: list[Pending[Event]]) -> list[Pending[Event]]:
+        """What of ``batch`` to write again, after the pause."""
         logger.error("Error writing %d task-run events", len(batch), exc_info=True)
-        self._count_failure(batch, requeue=True)
-        await asyncio.sleep(self.retry_after_s)
+        kept = self._count_failure(batch, requeue=True)
+        try:
+            await asyncio.sleep(self.retry_after_s)
+        except asyncio.CancelledError:
+            self._unfinished[:0] = kept
+            raise
+        return kept
 
-    def _count_failure(self, batch: list[Pending[Event]], requeue: bool) -> None:
+    def _count_failure(self, batch: list[Pending[Event]], requeue: bool) -> list[Pending[Event]]:
         kept = []
         for pending in batch:
             pending.failed_writes += 1
@@ -139,7 +164,7 @@ class GroupCommitWriter(Generic[Event]):
                     getattr(pending.event, "id", pending.event),
                     pending.failed_writes,
                 )
-        self._retrying[:0] = kept
+        return kept
 
 
 @contextlib.asynccontextmanager

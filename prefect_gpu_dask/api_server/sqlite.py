@@ -1,5 +1,5 @@
 """On a SQLite database, Prefect's API server begins its write transactions IMMEDIATE
-and records task runs in batches, losing none.
+and records task runs as their events come, in batches under load, losing none.
 
 Prefect's API server imports every ``prefect.collections`` entry point as it starts
 (to register their blocks); this package's is this module, so every server started
@@ -19,13 +19,18 @@ touched.
    and are not affected: SQLite's write-ahead log lets them run beside a writer.
    ``PREFECT_GPU_DASK_SQLITE_IMMEDIATE=false`` leaves Prefect's default in place.
 2. The task-run recorder, which turns the task-run events clients send into the task
-   runs and states the UI shows, writes up to ``RECORDER_BATCH_SIZE`` events a
-   transaction, at least every ``RECORDER_FLUSH_S`` seconds, where the user set neither
-   (Prefect's default is one event a transaction, a commit each). Its queue in the
+   runs and states the UI shows, writes events as they come, up to
+   ``RECORDER_BATCH_SIZE`` a transaction (``api_server.recorder``): an event that comes
+   while a writer is free is written at once, and what comes during a write goes in the
+   next, together. Prefect's default is one event a transaction, a commit each; its
+   batches wait for their size or a flush interval (a second at least), so a quiet
+   server recorded a flow run's task runs about 0.7 s after it ended. Its queue in the
    server's in-memory message broker, and the event persister's, grow instead of
    dropping events when they fall 10,000 behind. One at a time, a burst of short task
    runs outran the recorder on 2 CPU cores and the dropped events' task runs stayed
-   Pending in the UI for good; batched, the persister was next.
+   Pending in the UI for good. A user's
+   ``PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE`` caps the writes; its
+   ``…_FLUSH_INTERVAL`` is the pause before a failed write is tried again.
    ``PREFECT_GPU_DASK_RECORDER_BATCHES=false`` leaves Prefect's recorder as it is.
 
 Prefect's server loads collections while it registers block types at start, which it
@@ -43,7 +48,7 @@ from prefect_gpu_dask import _compat
 OPT_OUT = "PREFECT_GPU_DASK_SQLITE_IMMEDIATE"
 RECORDER_OPT_OUT = "PREFECT_GPU_DASK_RECORDER_BATCHES"
 RECORDER_BATCH_SIZE = 100
-RECORDER_FLUSH_S = 1.0  # Prefect reads it as whole seconds
+RECORDER_FLUSH_S = 1.0  # before a failed write is tried again; Prefect reads it as whole seconds
 
 
 def turned_off(variable: str = OPT_OUT) -> bool:

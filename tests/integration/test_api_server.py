@@ -117,7 +117,7 @@ def test_an_idle_sqlite_server_records_a_task_run_at_once(monkeypatch):
     with using_prefect_server():
         state = a_flow_of_one_task(return_state=True)
         EventsWorker.drain_all()  # the task run's events have reached the server
-        reached = time.monotonic()
+        reached = time.monotonic()  # a failed write would wait 60 s too: not at once either
         with get_client(sync_client=True) as client:
             runs_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
             while True:
@@ -126,9 +126,7 @@ def test_an_idle_sqlite_server_records_a_task_run_at_once(monkeypatch):
                     break
                 assert time.monotonic() - reached < 30, f"not recorded after 30 s: {runs}"
                 time.sleep(0.05)
-        took = time.monotonic() - reached
     assert len(runs) == 1
-    assert took < 30, took
 
 
 def test_the_recorders_and_persisters_queues_keep_events_past_the_brokers_limit(monkeypatch):

@@ -62,8 +62,9 @@ def test_events_that_come_during_a_write_go_together_in_the_next_up_to_the_batch
         await writer.add(1)
         await db.entered.wait()  # the first write is in flight
         adding = asyncio.gather(*(writer.add(n) for n in range(2, 7)))
-        await until(lambda: writer.queued() == 3)  # the queue holds one batch; the rest wait
-        assert not adding.done()
+        await until(lambda: writer.queued() == 5)
+        await asyncio.sleep(0.01)
+        assert not adding.done()  # more than a batch queued: the adds wait
         db.hold.set()
         await adding
         await until(lambda: sum(map(len, db.writes)) == 6)
@@ -119,6 +120,72 @@ def test_a_failed_write_is_tried_again_and_an_event_past_its_retries_is_dropped(
     with caplog.at_level(logging.ERROR):
         assert asyncio.run(scenario(failing=3, max_retries=2)) == []
     assert "Dropping task-run event e after 3 failed writes" in caplog.text
+
+
+def test_a_failed_write_is_tried_again_after_the_pause_by_its_own_writer():
+    async def scenario():
+        attempts: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        async def write(events):
+            attempts.append(loop.time())
+            if len(attempts) == 1:
+                raise RuntimeError("database is locked")
+
+        writer = GroupCommitWriter(write, batch_size=10, retry_after_s=0.2, max_retries=5, writers=2)
+        running = asyncio.create_task(writer.run())
+        await writer.add("e")
+        await until(lambda: len(attempts) == 2)
+        await writer.stop(running)
+        return attempts
+
+    first, second = asyncio.run(scenario())
+    assert second - first >= 0.19, second - first
+
+
+def test_a_write_a_driver_cancels_is_tried_again_and_the_writers_go_on():
+    async def scenario():
+        written: list[list[str]] = []
+        cancelled = []
+
+        async def write(events):
+            if not cancelled:
+                cancelled.append(events)
+                raise asyncio.CancelledError  # as a database driver losing its connection may
+            written.append(list(events))
+
+        writer = GroupCommitWriter(write, batch_size=10, retry_after_s=0.01, max_retries=5, writers=1)
+        running = asyncio.create_task(writer.run())
+        await writer.add("a")
+        await until(lambda: written)
+        await writer.add("b")
+        await until(lambda: len(written) == 2)
+        await writer.stop(running)
+        return written
+
+    assert asyncio.run(scenario()) == [["a"], ["b"]]
+
+
+def test_an_add_cancelled_while_it_waits_for_room_has_queued_its_event():
+    async def scenario():
+        db = ScriptedDatabase()
+        db.hold = asyncio.Event()
+        writer = GroupCommitWriter(db.write, batch_size=1, retry_after_s=30, max_retries=5, writers=1)
+        running = asyncio.create_task(writer.run())
+        await writer.add(1)
+        await db.entered.wait()
+        await writer.add(2)
+        waiting = asyncio.create_task(writer.add(3))  # two queued, a batch is one: it waits
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        waiting.cancel()  # as the broker's handlers are, when the recorder stops
+        stopping = asyncio.create_task(writer.stop(running))
+        await asyncio.sleep(0.01)
+        db.hold.set()
+        await stopping
+        return sorted(event for write in db.writes for event in write)
+
+    assert asyncio.run(scenario()) == [1, 2, 3]
 
 
 def test_stopping_writes_the_batch_in_flight_and_everything_queued():
