@@ -7,6 +7,9 @@ package itself times nothing. On a GPU host, the default runner's cluster:
 
     python benchmarks/probes/share_timeline.py --runs 10
     python benchmarks/probes/share_timeline.py --cpu --n 4000 --chunk 500   # no GPU: NumPy chunks
+
+``--sync`` also waits, after each share's Python returns, for its GPU to finish what it
+queued ("… GPU idle"): CuPy's kernels run behind the thread that launched them.
 """
 
 import argparse
@@ -25,6 +28,7 @@ from prefect.context import FlowRunContext  # noqa: E402
 
 from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus  # noqa: E402
 
+SYNC_VARIABLE = "SHARE_TIMELINE_SYNC"  # read in the workers, which inherit it
 WRAPPED = {  # (module, function) -> label
     ("prefect_gpu_dask._compat", "finalized_graph"): "optimise",
     ("prefect_gpu_dask.worker.compute", "split_graph"): "split",
@@ -57,6 +61,11 @@ def install() -> None:
                 return _inner(*args, **kwargs)
             finally:
                 compute._probe_events.append((_label, "end", time.time(), thread))
+                if _label == "share" and os.environ.get(SYNC_VARIABLE):
+                    import cupy
+
+                    cupy.cuda.Device().synchronize()
+                    compute._probe_events.append(("share's GPU idle", "end", time.time(), thread))
 
         setattr(module, name, functools.wraps(inner)(timed))
 
@@ -151,8 +160,9 @@ def steps(run: dict[str, list]) -> dict[str, float]:
     for worker, events in run.items():
         side = "caller" if worker == caller else "server"
         for label, edge, t, thread in events:
-            if label == "share" and thread.startswith("gpu-share"):
-                label = "served share's compute"
+            if thread.startswith("gpu-share"):  # a share served for another worker's task
+                served = {"share": "served share's compute", "share's GPU idle": "served share's GPU idle"}
+                label = served.get(label, label)
             key = f"{side}: {label} {edge}"
             # the first start and the last end of a step taken more than once
             if edge == "start":
@@ -168,8 +178,11 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--chunk", type=int, default=10_000)
     parser.add_argument("--cpu", action="store_true", help="NumPy chunks: to try the probe without a GPU")
+    parser.add_argument("--sync", action="store_true", help="also time each share's GPU to its last kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.sync:
+        os.environ[SYNC_VARIABLE] = "1"  # before the cluster starts: its workers inherit it
     runs, per_gpu = timelines(args.runs, args.n, args.chunk, not args.cpu)
     runs = [steps(run) for run in runs]
 
