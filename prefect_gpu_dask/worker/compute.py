@@ -151,8 +151,9 @@ def _split_compute(
             else:
                 held.update(_share_values(produced))
                 took[worker] = _served_seconds(answer.result())
-        for produced in client.gather(remote):
-            held.update(_share_values(produced))
+        if remote:  # an empty gather still waits for a round trip through the event loop
+            for produced in client.gather(remote):
+                held.update(_share_values(produced))
     except BaseException:
         client.cancel(remote)  # no GPU time for shares nobody will read
         for answer, _ in asked.values():
