@@ -40,6 +40,25 @@ async def until(condition, timeout=5.0):
         await asyncio.sleep(0.001)
 
 
+async def writing_first_event(batch_size: int):
+    """One writer over a held database, event 1's write in flight."""
+    db = ScriptedDatabase()
+    db.hold = asyncio.Event()
+    writer = GroupCommitWriter(db.write, batch_size=batch_size, retry_after_s=30, max_retries=5, writers=1)
+    running = asyncio.create_task(writer.run())
+    await writer.add(1)
+    await db.entered.wait()
+    return db, writer, running
+
+
+async def stop_then_release(db, writer, running) -> None:
+    """Stop while the write in flight still waits on the database, then let it go."""
+    stopping = asyncio.create_task(writer.stop(running))
+    await asyncio.sleep(0.01)
+    db.hold.set()
+    await stopping
+
+
 def test_an_event_on_an_idle_writer_is_written_at_once_and_alone():
     async def scenario():
         db = ScriptedDatabase()
@@ -55,12 +74,7 @@ def test_an_event_on_an_idle_writer_is_written_at_once_and_alone():
 
 def test_events_that_come_during_a_write_go_together_in_the_next_up_to_the_batch():
     async def scenario():
-        db = ScriptedDatabase()
-        db.hold = asyncio.Event()
-        writer = GroupCommitWriter(db.write, batch_size=3, retry_after_s=30, max_retries=5, writers=1)
-        running = asyncio.create_task(writer.run())
-        await writer.add(1)
-        await db.entered.wait()  # the first write is in flight
+        db, writer, running = await writing_first_event(batch_size=3)
         adding = asyncio.gather(*(writer.add(n) for n in range(2, 7)))
         await until(lambda: writer.queued() == 5)
         await asyncio.sleep(0.01)
@@ -168,21 +182,13 @@ def test_a_write_a_driver_cancels_is_tried_again_and_the_writers_go_on():
 
 def test_an_add_cancelled_while_it_waits_for_room_has_queued_its_event():
     async def scenario():
-        db = ScriptedDatabase()
-        db.hold = asyncio.Event()
-        writer = GroupCommitWriter(db.write, batch_size=1, retry_after_s=30, max_retries=5, writers=1)
-        running = asyncio.create_task(writer.run())
-        await writer.add(1)
-        await db.entered.wait()
+        db, writer, running = await writing_first_event(batch_size=1)
         await writer.add(2)
         waiting = asyncio.create_task(writer.add(3))  # two queued, a batch is one: it waits
         await asyncio.sleep(0.01)
         assert not waiting.done()
         waiting.cancel()  # as the broker's handlers are, when the recorder stops
-        stopping = asyncio.create_task(writer.stop(running))
-        await asyncio.sleep(0.01)
-        db.hold.set()
-        await stopping
+        await stop_then_release(db, writer, running)
         return sorted(event for write in db.writes for event in write)
 
     assert asyncio.run(scenario()) == [1, 2, 3]
@@ -190,18 +196,10 @@ def test_an_add_cancelled_while_it_waits_for_room_has_queued_its_event():
 
 def test_stopping_writes_the_batch_in_flight_and_everything_queued():
     async def scenario():
-        db = ScriptedDatabase()
-        db.hold = asyncio.Event()
-        writer = GroupCommitWriter(db.write, batch_size=2, retry_after_s=30, max_retries=5, writers=1)
-        running = asyncio.create_task(writer.run())
-        await writer.add(1)
-        await db.entered.wait()
+        db, writer, running = await writing_first_event(batch_size=2)
         await writer.add(2)
         await writer.add(3)
-        stopping = asyncio.create_task(writer.stop(running))
-        await asyncio.sleep(0.01)
-        db.hold.set()
-        await stopping
+        await stop_then_release(db, writer, running)
         return db.writes
 
     assert asyncio.run(scenario()) == [[1, 2], [3]]
