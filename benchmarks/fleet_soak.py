@@ -233,6 +233,12 @@ def scheduler_counts(dask_scheduler: Any = None) -> dict[str, Any]:
 SEEN: dict[int, dict[str, Any]] = {}  # what each flow run's body saw, by run index
 
 
+def note_seen(index: int, context: Any) -> None:
+    """Kept out of the flow's body: a flow defined in a function is pickled by value with
+    the globals it names, and other flow runs' threads write to ``SEEN`` meanwhile."""
+    SEEN[index] = {"flow_run_id": str(context.flow_run.id), "runner": context.task_runner}
+
+
 def build_flow(address: str, memory_probe: str | None, on_gpu: bool, short_tasks: int) -> Any:
     """The soak's flow; its tasks wrap this module's functions, which workers import by name."""
     from prefect import flow, task
@@ -261,8 +267,7 @@ def build_flow(address: str, memory_probe: str | None, on_gpu: bool, short_tasks
 
     @flow(name="fleet-soak", task_runner=runner)
     def fleet_run(ledger: str, attempts: str, index: int, fault: str) -> dict[str, Any]:
-        context = FlowRunContext.get()
-        SEEN[index] = {"flow_run_id": str(context.flow_run.id), "runner": context.task_runner}
+        note_seen(index, FlowRunContext.get())
         submitted: list[tuple[str, str, Any]] = []
         for i in range(short_tasks):
             label = f"run{index}-short{i}"
