@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # No telemetry from test servers: this network reaches nothing, and its heartbeat clutters logs.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The scripted GPU has one UUID in every worker: each test process keeps its own GPU
-# turns, so two test processes never wait for each other's "GPU".
-os.environ.setdefault("PREFECT_GPU_DASK_RUNTIME_DIR", tempfile.mkdtemp(prefix="gpu-turns-"))
+# turns, so two test processes never wait for each other's "GPU". Set, not defaulted:
+# xdist's test processes inherit the environment of the process that started them.
+os.environ["PREFECT_GPU_DASK_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="gpu-turns-")
 # A worker or server process that crashes writes its Python stack to its stderr.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
@@ -147,6 +148,20 @@ class DaskProcesses:
         with Client(self.address, timeout=timeout) as client:
             client.wait_for_workers(n, timeout=timeout)
 
+    def print_thread_stacks(self, timeout: float = 10) -> None:
+        """Every thread's stack in each worker process, where its event loop still
+        answers: what a hung test's workers were doing."""
+        from distributed import Client
+
+        try:
+            with Client(self.address, timeout=timeout) as client:
+                stacks = client.run(thread_stacks, on_error="return")
+        except Exception as exc:
+            print(f"--- no thread stacks from the workers: {exc!r}")
+            return
+        for address, stack in stacks.items():
+            print(f"--- threads of worker {address}", stack, sep="\n")
+
     def print_log_tails(self, lines: int = 30) -> None:
         """The end of each process's log: pytest shows it where the test failed."""
         for log in sorted(self.tmp.glob("*.log")):
@@ -162,6 +177,18 @@ class DaskProcesses:
         for proc in self.procs:
             proc.wait(10)
         self.procs.clear()
+
+
+def thread_stacks() -> str:
+    """For ``Client.run``: this process's threads and their stacks."""
+    import threading
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def exit_with_module_loaded(name: str) -> None:
@@ -202,11 +229,21 @@ def remote_cluster(tmp_path_factory) -> Iterator[DaskProcesses]:
     procs.close()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.call_failed = report.failed  # for fixtures' teardown
+    return report
+
+
 @pytest.fixture
-def dask_processes(tmp_path) -> Iterator[DaskProcesses]:
+def dask_processes(request, tmp_path) -> Iterator[DaskProcesses]:
     """A private set of Dask processes, for tests that kill or restart them."""
     procs = DaskProcesses(tmp_path)
     yield procs
+    if getattr(request.node, "call_failed", False) and procs.address:
+        procs.print_thread_stacks()
     procs.close()
     procs.print_log_tails()
 
