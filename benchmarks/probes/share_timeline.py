@@ -8,11 +8,13 @@ package itself times nothing. On a GPU host, the default runner's cluster:
     python benchmarks/probes/share_timeline.py --runs 10
     python benchmarks/probes/share_timeline.py --cpu --n 4000 --chunk 500   # no GPU: NumPy chunks
 
+``--switch-interval 0.001`` sets the workers' GIL switch interval (Python's is 5 ms).
 ``--sync`` also waits, after each share's Python returns, for its GPU to finish what it
 queued ("… GPU idle"): CuPy's kernels run behind the thread that launched them.
 """
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -29,6 +31,7 @@ from prefect.context import FlowRunContext  # noqa: E402
 from prefect_gpu_dask import GPUDaskTaskRunner, compute_on_gpus  # noqa: E402
 
 SYNC_VARIABLE = "SHARE_TIMELINE_SYNC"  # read in the workers, which inherit it
+SWITCH_VARIABLE = "SHARE_TIMELINE_SWITCH_INTERVAL_S"  # the workers' GIL switch interval, where set
 WRAPPED = {  # (module, function) -> label
     ("prefect_gpu_dask._compat", "finalized_graph"): "optimise",
     ("prefect_gpu_dask.worker.compute", "split_graph"): "split",
@@ -37,10 +40,15 @@ WRAPPED = {  # (module, function) -> label
     ("prefect_gpu_dask.worker.compute", "_compute_part"): "share",
     ("prefect_gpu_dask.worker.compute", "_answered"): "answer",
     ("prefect_gpu_dask.worker.compute", "_run_part"): "served share",
+    # The answer's way back: read by the calling worker's event loop, its values made
+    # again on the calling GPU, the pieces joined there.
+    ("prefect_gpu_dask._compat", "ask_worker"): "sent and answered",
+    ("prefect_gpu_dask.worker.compute", "_share_values"): "answer's values",
+    ("dask", "get"): "join",
 }
 
 
-def install() -> None:
+def install(dask_worker=None) -> None:
     """In a worker: time each function of ``WRAPPED`` into ``compute._probe_events``."""
     import functools
     import importlib
@@ -49,10 +57,17 @@ def install() -> None:
 
     if hasattr(compute, "_probe_events"):
         return
+    if interval := os.environ.get(SWITCH_VARIABLE):
+        import sys
+
+        sys.setswitchinterval(float(interval))
     compute._probe_events = []
     for (module_name, name), label in WRAPPED.items():
         module = importlib.import_module(module_name)
         inner = getattr(module, name)
+        if inspect.iscoroutinefunction(inner):
+            setattr(module, name, functools.wraps(inner)(_timed_coroutine(inner, label)))
+            continue
 
         def timed(*args, _inner=inner, _label=label, **kwargs):
             thread = threading.current_thread().name
@@ -68,6 +83,33 @@ def install() -> None:
                     compute._probe_events.append(("share's GPU idle", "end", time.time(), thread))
 
         setattr(module, name, functools.wraps(inner)(timed))
+    _time_share_handler(dask_worker)
+
+
+def _timed_coroutine(inner, label):
+    from prefect_gpu_dask.worker import compute
+
+    async def timed(*args, **kwargs):
+        thread = threading.current_thread().name
+        compute._probe_events.append((label, "start", time.time(), thread))
+        try:
+            return await inner(*args, **kwargs)
+        finally:
+            compute._probe_events.append((label, "end", time.time(), thread))
+
+    return timed
+
+
+def _time_share_handler(worker) -> None:
+    """The serving worker's handler, already registered: its end is when the answer
+    goes out, after the share's thread hands its values back to the event loop."""
+    import functools
+
+    from prefect_gpu_dask.worker import compute
+
+    handlers = worker.handlers
+    if (serve := handlers.get(compute.SHARE_OP)) is not None:
+        handlers[compute.SHARE_OP] = functools.wraps(serve)(_timed_coroutine(serve, "served answer"))
 
 
 def collect() -> list:
@@ -96,6 +138,7 @@ def cube_body(n: int, chunk: int, gpu: bool) -> float:
     events = compute._probe_events
     events.append(("task", "start", time.time(), threading.current_thread().name))
     (mean,) = compute_on_gpus(the_cube(n, chunk, gpu))
+    events.append(("compute_on_gpus", "end", time.time(), threading.current_thread().name))
     mean = float(mean)
     events.append(("task", "end", time.time(), threading.current_thread().name))
     assert abs(mean - 11) < 0.01, mean
@@ -179,10 +222,13 @@ if __name__ == "__main__":
     parser.add_argument("--chunk", type=int, default=10_000)
     parser.add_argument("--cpu", action="store_true", help="NumPy chunks: to try the probe without a GPU")
     parser.add_argument("--sync", action="store_true", help="also time each share's GPU to its last kernel")
+    parser.add_argument("--switch-interval", type=float, help="the workers' GIL switch interval, seconds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.sync:
         os.environ[SYNC_VARIABLE] = "1"  # before the cluster starts: its workers inherit it
+    if args.switch_interval:
+        os.environ[SWITCH_VARIABLE] = str(args.switch_interval)
     runs, per_gpu = timelines(args.runs, args.n, args.chunk, not args.cpu)
     runs = [steps(run) for run in runs]
 
