@@ -11,6 +11,8 @@ package itself times nothing. On a GPU host, the default runner's cluster:
 ``--switch-interval 0.001`` sets the workers' GIL switch interval (Python's is 5 ms).
 ``--sync`` also waits, after each share's Python returns, for its GPU to finish what it
 queued ("… GPU idle"): CuPy's kernels run behind the thread that launched them.
+Each step's thread CPU time and the garbage collections' pauses are listed after the
+timeline: a step whose wall time is well above its CPU time waited (for the GIL, a lock).
 """
 
 import argparse
@@ -71,11 +73,19 @@ def install(dask_worker=None) -> None:
 
         def timed(*args, _inner=inner, _label=label, **kwargs):
             thread = threading.current_thread().name
+            if _label == "answer":  # when the event loop hands the answer to this thread
+                args[0].add_done_callback(
+                    lambda _: compute._probe_events.append(
+                        ("answer handed over", "end", time.time(), threading.current_thread().name)
+                    )
+                )
             compute._probe_events.append((_label, "start", time.time(), thread))
+            cpu = time.thread_time()
             try:
                 return _inner(*args, **kwargs)
             finally:
                 compute._probe_events.append((_label, "end", time.time(), thread))
+                compute._probe_events.append((_label, "cpu", time.thread_time() - cpu, thread))
                 if _label == "share" and os.environ.get(SYNC_VARIABLE):
                     import cupy
 
@@ -84,6 +94,21 @@ def install(dask_worker=None) -> None:
 
         setattr(module, name, functools.wraps(inner)(timed))
     _time_share_handler(dask_worker)
+    _time_collections()
+
+
+def _time_collections() -> None:
+    """Each garbage collection's pause, as two events: a thread holds the GIL for it."""
+    import gc
+
+    from prefect_gpu_dask.worker import compute
+
+    def noted(phase: str, info: dict) -> None:
+        label = f"gc gen{info['generation']}"
+        edge = "gc start" if phase == "start" else "gc end"
+        compute._probe_events.append((label, edge, time.time(), threading.current_thread().name))
+
+    gc.callbacks.append(noted)
 
 
 def _timed_coroutine(inner, label):
@@ -202,7 +227,24 @@ def steps(run: dict[str, list]) -> dict[str, float]:
     out: dict[str, float] = {}
     for worker, events in run.items():
         side = "caller" if worker == caller else "server"
+        collecting: dict[str, float] = {}
         for label, edge, t, thread in events:
+            if edge == "cpu":  # the step's thread CPU seconds, summed over its calls
+                key = f"cpu: {side}: {label} (ms)"
+                out[key] = out.get(key, 0.0) + t * 1e3
+                continue
+            if edge == "gc start":
+                collecting[thread] = t
+                continue
+            if edge == "gc end":
+                began = collecting.pop(thread, t)
+                if began >= t0:  # within the task
+                    key = f"gc: {side}: {label} pauses (ms)"
+                    out[key] = out.get(key, 0.0) + (t - began) * 1e3
+                    late = f"gc: {side}: {label} pauses after +0.25 s (ms)"
+                    if began - t0 > 0.25:
+                        out[late] = out.get(late, 0.0) + (t - began) * 1e3
+                continue
             if thread.startswith("gpu-share"):  # a share served for another worker's task
                 served = {"share": "served share's compute", "share's GPU idle": "served share's GPU idle"}
                 label = served.get(label, label)
@@ -235,12 +277,21 @@ if __name__ == "__main__":
     def when(key: str) -> float:
         return statistics.median(run.get(key, 0.0) for run in runs)
 
-    keys = sorted({key for run in runs for key in run}, key=when)
+    seen = {key for run in runs for key in run}
+    keys = sorted((key for key in seen if not key.startswith(("cpu: ", "gc: "))), key=when)
     print(f"# {args.runs} runs of the speed-cube {args.n}², {args.chunk}² chunks; s after the task's start")
     print(f"{'step':45s} {'median':>8s} {'min':>8s} {'max':>8s}")
     for key in keys:
         values = [run[key] for run in runs if key in run]
         print(f"{key:45s} {statistics.median(values):8.4f} {min(values):8.4f} {max(values):8.4f}")
+    print(
+        "# each step's thread CPU time, and garbage collections' pauses within the task (ms; runs with none: 0)"
+    )
+    for key in sorted(key for key in seen if key.startswith(("cpu: ", "gc: "))):
+        values = [run.get(key, 0.0) for run in runs]
+        print(
+            f"{key[key.index(' ') + 1 :]:60s} {statistics.median(values):8.2f} {min(values):8.2f} {max(values):8.2f}"
+        )
     print("# each GPU: the cube alone on it (threads scheduler, the worker's threads), and its share's")
     print("# compute when a plain Dask task pinned to its worker calls compute_on_gpus, against the other's")
     for name, seen in per_gpu.items():

@@ -356,6 +356,8 @@ class GPUMemoryGuard(WorkerPlugin):
         guarded tasks here count towards its ``restart_after_tasks``.
         Returns the verdict, the peak, the duration and what else it did on the GPU."""
         duration = time.perf_counter() - started
+        # Over the same span as the duration: the verdict's own readings are not the task's.
+        activity = self._activity.stop(ticket) if self._activity is not None else None
         settings = settings if settings is not None else self.settings
         self.tasks_run += 1
         self._tasks_of[flow_run_id] += 1
@@ -379,7 +381,6 @@ class GPUMemoryGuard(WorkerPlugin):
         if verdict.status == LIBRARY:
             self._grew[key] = _Allowance(_pool_threads(), then.used.union(used) if then else frozenset(used))
         peak = self._sampler.stop(ticket, verdict.after.judged)
-        activity = self._activity.stop(ticket) if self._activity is not None else None
         return verdict, peak, duration, activity
 
     def abandon(self, ticket: int) -> None:

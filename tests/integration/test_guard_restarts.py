@@ -421,7 +421,7 @@ def test_each_record_reaches_the_ui_while_the_flow_still_runs(dask_processes, tm
     assert row["verdict"] == "leak" and row["delta_bytes"] == 512 * MiB and row["delta"] == "512.00 MiB"
     # What else the task did on its GPU (tests/scripted_probe.py: 200 W, 37 % busy, 61 C).
     [row] = json.loads(busy_artifact.data) if isinstance(busy_artifact.data, str) else busy_artifact.data
-    assert row["energy_j"] == pytest.approx(200 * row["duration_s"], rel=0.15), row
+    assert row["energy_j"] == pytest.approx(200 * row["duration_s"], rel=0.05), row
     assert (row["sm_util_mean"], row["sm_util_peak"], row["util_scope"]) == (37, 37, "process"), row
     assert row["temperature_peak_c"] == 61 and row["throttle_reasons"] == ["sw_power_cap"], row
     assert row["gpu_share"] == 0.5, row

@@ -234,6 +234,36 @@ def test_guard_reads_the_process_only_before_a_task_and_judges_the_same(after, d
     assert peak == max(1 * GiB, verdict.after.judged)
 
 
+class SlowVerdictProbe(TwoReadingsProbe):
+    """A GPU drawing a steady 200 W, whose full reading after a task takes ``slow_s``."""
+
+    def __init__(self, slow_s: float):
+        super().__init__(1 * GiB, 1 * GiB, 1 * GiB, device_used=2 * GiB)
+        self.slow_s = slow_s
+
+    def activity_reader(self):
+        from tests.scripted_probe import ScriptedActivity
+
+        return ScriptedActivity()
+
+    def sample(self) -> MemorySample:
+        import time
+
+        time.sleep(self.slow_s)
+        return super().sample()
+
+
+def test_a_tasks_energy_spans_its_duration_not_the_verdict_after_it():
+    import time
+
+    guard = started_guard(SlowVerdictProbe(slow_s=0.3))
+    ticket, before, started = guard.begin()
+    time.sleep(0.2)
+    verdict, _, duration, activity = guard.end(ticket, before, started)
+    assert verdict.status == CLEAN and duration == pytest.approx(0.2, abs=0.05)
+    assert activity.energy_j == pytest.approx(200 * duration, rel=0.05), (activity, duration)
+
+
 class ClockProbe:
     """Process memory as a function of time since ``t0``; counts the reads."""
 
