@@ -284,14 +284,11 @@ if __name__ == "__main__":
     for key in keys:
         values = [run[key] for run in runs if key in run]
         print(f"{key:45s} {statistics.median(values):8.4f} {min(values):8.4f} {max(values):8.4f}")
-    print(
-        "# each step's thread CPU time, and garbage collections' pauses within the task (ms; runs with none: 0)"
-    )
+    print("# each step's thread CPU time, and collections' pauses within the task (ms; runs with none: 0)")
     for key in sorted(key for key in seen if key.startswith(("cpu: ", "gc: "))):
         values = [run.get(key, 0.0) for run in runs]
-        print(
-            f"{key[key.index(' ') + 1 :]:60s} {statistics.median(values):8.2f} {min(values):8.2f} {max(values):8.2f}"
-        )
+        name = key[key.index(" ") + 1 :]
+        print(f"{name:60s} {statistics.median(values):8.2f} {min(values):8.2f} {max(values):8.2f}")
     print("# each GPU: the cube alone on it (threads scheduler, the worker's threads), and its share's")
     print("# compute when a plain Dask task pinned to its worker calls compute_on_gpus, against the other's")
     for name, seen in per_gpu.items():
