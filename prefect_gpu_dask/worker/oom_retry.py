@@ -179,5 +179,8 @@ def _attempt(fn: Callable[..., Any], args: Any, kwargs: Any, context: dict[str, 
     (its logs and the guard's record name the task run)."""
     from prefect.context import hydrated_context
 
+    from prefect_gpu_dask.worker.taskrun import prepare_process_once
+
+    prepare_process_once()
     with hydrated_context(context):
         return fn(*args, **kwargs)

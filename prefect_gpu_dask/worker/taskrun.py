@@ -84,6 +84,14 @@ def prepare_process() -> None:
         pass
 
 
+def prepare_process_once() -> None:
+    """``prepare_process``, under the worker lock, for code that enters Prefect's
+    ``hydrated_context`` on a worker outside a task run (an out-of-memory retry's attempt
+    moved here). ``hydrated_context`` makes the same set-up unlocked, and on a worker new
+    to the flow run it would race the flow run's preparation (``prepare_flow_run``)."""
+    _cached("process-prepared", prepare_process)
+
+
 def _in_a_process_of_its_own() -> bool:
     """Whether this is a worker's own process: a worker without a nanny may share the
     flow's process, whose logging is the user's."""
