@@ -5,6 +5,9 @@ differ by a few per cent, and a GPU another process is using is slower still. So
 calling worker process remembers, per graph shape, how fast each worker computed its
 shares of it, and deals the next split's roots in proportion: the shares then end
 together. A graph seen for the first time, or a worker not seen yet, gets an even share.
+A call in which a worker computes its first share of a graph is not learnt from: that
+share also paid for the worker's first use of the graph's kernels (compiling, loading),
+and every other share of the call is timed against it.
 
 Each speed is kept relative to the other shares of the same call (roots per second over
 their mean), so two graphs that share a shape but not their cost still compare.
@@ -27,8 +30,8 @@ from typing import Any
 
 from dask.utils import key_split
 
-# The last few shares' speeds per worker: their median ignores one slow share (a worker's
-# first, compiling its kernels) and follows a lasting change within a few calls.
+# The last few shares' speeds per worker: their median ignores one slow share and follows a
+# lasting change within a few calls.
 SPEEDS_KEPT = 5
 GRAPHS_KEPT = 128
 # Per graph shape: restarted workers come back at new addresses, the old ones go.
@@ -87,7 +90,7 @@ class ShareSpeeds:
     def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:
         """``shares``: worker → (roots in its share, seconds it took to compute). Only
         calls where two or more shares were timed tell how fast each is against the
-        others."""
+        others, and only once each of their workers has been seen on this shape before."""
         speeds = {w: roots / seconds for w, (roots, seconds) in shares.items() if roots > 0 and seconds > 0}
         if len(speeds) < 2:
             return
@@ -95,8 +98,11 @@ class ShareSpeeds:
         with self._lock:
             seen = self._seen.setdefault(shape, OrderedDict())
             self._seen.move_to_end(shape)
+            first_sight = any(worker not in seen for worker in speeds)
             for worker, speed in speeds.items():
-                seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT)).append(speed / mean)
+                kept = seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT))  # empty: seen, no speed yet
+                if not first_sight:
+                    kept.append(speed / mean)
                 seen.move_to_end(worker)
             while len(seen) > WORKERS_KEPT:
                 seen.popitem(last=False)

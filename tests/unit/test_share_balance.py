@@ -43,7 +43,8 @@ def test_speeds_are_kept_against_the_same_calls_other_shares_and_their_median_ig
     speeds = ShareSpeeds()
     shape = ("graph", 1)
     assert speeds.speeds(shape, ["a", "b"]) == [None, None]
-    speeds.note(shape, {"a": (50, 1.0), "b": (50, 10.0)})  # b's first share compiled its kernels
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 3.0)})  # both seen for the first time
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 10.0)})  # one slow share
     for _ in range(2):
         speeds.note(shape, {"a": (50, 1.0), "b": (50, 3.0)})
     # The same two workers on a graph of the same shape that costs ten times as much.
@@ -57,16 +58,29 @@ def test_speeds_are_kept_against_the_same_calls_other_shares_and_their_median_ig
     assert speeds.speeds(shape, ["a", "c"]) == [pytest.approx(1.5), None]
 
 
+def test_a_call_in_which_a_worker_computes_its_first_share_of_a_graph_teaches_nothing():
+    speeds = ShareSpeeds()
+    shape = ("graph", 1)
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 10.0)})  # b compiled the graph's kernels
+    assert speeds.speeds(shape, ["a", "b"]) == [None, None]  # the next split is still even
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 1.0)})
+    assert speeds.speeds(shape, ["a", "b"]) == [pytest.approx(1.0), pytest.approx(1.0)]
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 1.0), "c": (50, 20.0)})  # c joins: its call is not kept
+    assert speeds.speeds(shape, ["a", "b", "c"]) == [pytest.approx(1.0), pytest.approx(1.0), None]
+
+
 def test_only_the_latest_graph_shapes_and_workers_are_kept():
     speeds = ShareSpeeds()
     for i in range(GRAPHS_KEPT + 1):
-        speeds.note(("graph", i), {"a": (2, 1.0), "b": (1, 1.0)})
+        for _ in range(2):  # the first call on a graph only introduces its workers
+            speeds.note(("graph", i), {"a": (2, 1.0), "b": (1, 1.0)})
     assert speeds.speeds(("graph", 0), ["a"]) == [None]
     assert speeds.speeds(("graph", GRAPHS_KEPT), ["a"]) == [pytest.approx(4 / 3)]
     # Workers restarted at new addresses, one after another, beside one that stays.
     for i in range(WORKERS_KEPT + 1):
         stays = (100, 1.0) if i == WORKERS_KEPT else (2, 1.0)  # one outlier, outvoted by its history
-        speeds.note(("graph", 1), {"stays": stays, f"restarted-{i}": (1, 1.0)})
+        for _ in range(2):
+            speeds.note(("graph", 1), {"stays": stays, f"restarted-{i}": (1, 1.0)})
     kept = speeds.speeds(("graph", 1), ["stays", "restarted-0", f"restarted-{WORKERS_KEPT}"])
     assert kept == [pytest.approx(4 / 3), None, pytest.approx(2 / 101)]
 
