@@ -4,10 +4,11 @@ An even split makes the calling task wait for the slowest share: GPUs of one hos
 differ by a few per cent, and a GPU another process is using is slower still. So each
 calling worker process remembers, per graph shape, how fast each worker computed its
 shares of it, and deals the next split's roots in proportion: the shares then end
-together. A graph seen for the first time, or a worker not seen yet, gets an even share.
-A call in which a worker computes its first share of a graph is not learnt from: that
-share also paid for the worker's first use of the graph's kernels (compiling, loading),
-and every other share of the call is timed against it.
+together. A graph seen for the first time gets an even split, and a worker with no speed
+yet a typical share. A worker's first share of a graph is not learnt from, and the
+call's other shares are kept against each other, not against it: that share also paid
+for the worker's first use of the graph's kernels (compiling, loading). So the first
+two splits of a graph on two workers are even, as are the first two after either restarts.
 
 Each speed is kept relative to the other shares of the same call (roots per second over
 their mean), so two graphs that share a shape but not their cost still compare.
@@ -90,21 +91,23 @@ class ShareSpeeds:
     def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:
         """``shares``: worker → (roots in its share, seconds it took to compute). Only
         calls where two or more shares were timed tell how fast each is against the
-        others, and only once each of their workers has been seen on this shape before."""
+        others, and only shares of workers seen on this shape before count."""
         speeds = {w: roots / seconds for w, (roots, seconds) in shares.items() if roots > 0 and seconds > 0}
         if len(speeds) < 2:
             return
-        mean = statistics.fmean(speeds.values())
         with self._lock:
             seen = self._seen.setdefault(shape, OrderedDict())
             self._seen.move_to_end(shape)
-            first_sight = any(worker not in seen for worker in speeds)
+            # A worker's first share is only noted as seen; the others are kept against
+            # each other, not against it.
+            known = {w: speed for w, speed in speeds.items() if w in seen}
+            mean = statistics.fmean(known.values()) if len(known) >= 2 else None
             for worker, speed in speeds.items():
                 kept = seen.setdefault(worker, deque(maxlen=SPEEDS_KEPT))  # empty: seen, no speed yet
-                if not first_sight:
+                if mean is not None and worker in known:
                     kept.append(speed / mean)
                 seen.move_to_end(worker)
-            while len(seen) > WORKERS_KEPT:
+            while len(seen) > max(WORKERS_KEPT, len(speeds)):  # never this call's own workers
                 seen.popitem(last=False)
             while len(self._seen) > GRAPHS_KEPT:
                 self._seen.popitem(last=False)

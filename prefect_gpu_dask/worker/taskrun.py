@@ -88,7 +88,9 @@ def prepare_process_once() -> None:
     """``prepare_process``, under the worker lock, for code that enters Prefect's
     ``hydrated_context`` on a worker outside a task run (an out-of-memory retry's attempt
     moved here). ``hydrated_context`` makes the same set-up unlocked, and on a worker new
-    to the flow run it would race the flow run's preparation (``prepare_flow_run``)."""
+    to the flow run it would race the flow run's preparation (``prepare_flow_run``).
+    Once per process while the worker cache keeps it (again, harmlessly, after it is
+    evicted); the lock is taken every time, so a preparation in progress is waited for."""
     _cached("process-prepared", prepare_process)
 
 

@@ -47,7 +47,7 @@ def test_a_moved_attempt_waits_for_its_workers_preparation_for_the_flow_run():
 
     holder = threading.Thread(target=preparing)
     holder.start()
-    holding.wait()
+    assert holding.wait(5)
     assert _attempt(lambda: ran_at.append(time.monotonic()) or 7, (), {}, {}) == 7
     holder.join()
     assert ran_at[0] >= released_at[0]

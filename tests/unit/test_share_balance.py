@@ -58,15 +58,26 @@ def test_speeds_are_kept_against_the_same_calls_other_shares_and_their_median_ig
     assert speeds.speeds(shape, ["a", "c"]) == [pytest.approx(1.5), None]
 
 
-def test_a_call_in_which_a_worker_computes_its_first_share_of_a_graph_teaches_nothing():
+def test_a_workers_first_share_of_a_graph_teaches_nothing_and_the_others_are_kept_against_each_other():
     speeds = ShareSpeeds()
     shape = ("graph", 1)
     speeds.note(shape, {"a": (50, 1.0), "b": (50, 10.0)})  # b compiled the graph's kernels
     assert speeds.speeds(shape, ["a", "b"]) == [None, None]  # the next split is still even
     speeds.note(shape, {"a": (50, 1.0), "b": (50, 1.0)})
     assert speeds.speeds(shape, ["a", "b"]) == [pytest.approx(1.0), pytest.approx(1.0)]
-    speeds.note(shape, {"a": (50, 1.0), "b": (50, 1.0), "c": (50, 20.0)})  # c joins: its call is not kept
-    assert speeds.speeds(shape, ["a", "b", "c"]) == [pytest.approx(1.0), pytest.approx(1.0), None]
+    # c joins (a restarted worker, at a new address): a and b against each other, c not at all.
+    speeds.note(shape, {"a": (50, 1.0), "b": (50, 2.0), "c": (50, 20.0)})
+    assert speeds.speeds(shape, ["a", "b", "c"]) == [pytest.approx(7 / 6), pytest.approx(5 / 6), None]
+
+
+def test_a_call_with_more_workers_than_are_kept_keeps_learning():
+    speeds = ShareSpeeds()
+    shape = ("graph", 1)
+    workers = {f"w{i}": (10, 1.0 if i else 0.5) for i in range(WORKERS_KEPT + 1)}
+    for _ in range(2):
+        speeds.note(shape, workers)
+    known = speeds.speeds(shape, list(workers))
+    assert None not in known and known[0] == pytest.approx(2 * known[1])
 
 
 def test_only_the_latest_graph_shapes_and_workers_are_kept():
