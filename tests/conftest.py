@@ -137,6 +137,8 @@ class DaskProcesses:
             "--name",
             name,
             "--no-dashboard",
+            "--preload",
+            "tests.worker_faulthandler",
             *preload,
             *extra,
             log=f"worker-{name}.log",
@@ -149,18 +151,35 @@ class DaskProcesses:
             client.wait_for_workers(n, timeout=timeout)
 
     def print_thread_stacks(self, timeout: float = 10) -> None:
-        """Every thread's stack in each worker process, where its event loop still
-        answers: what a hung test's workers were doing."""
+        """Every thread's stack in each worker process: what a hung test's workers were
+        doing. Asked through ``client.run`` where a worker's event loop still answers
+        within ``timeout``; every worker process also writes them to its log on SIGUSR1
+        (``tests/worker_faulthandler.py``), which ``print_log_tails`` then shows."""
+        import concurrent.futures
+
+        import psutil
         from distributed import Client
 
         try:
             with Client(self.address, timeout=timeout) as client:
-                stacks = client.run(thread_stacks, on_error="return")
+                pool = concurrent.futures.ThreadPoolExecutor(1)
+                asked = pool.submit(client.run, thread_stacks, on_error="return")
+                try:
+                    stacks = asked.result(timeout=timeout)
+                except concurrent.futures.TimeoutError:
+                    stacks = {}
+                    print(f"--- a worker did not answer within {timeout} s: its log has its stacks")
+                pool.shutdown(wait=False)
+                for address, stack in stacks.items():
+                    print(f"--- threads of worker {address}", stack, sep="\n")
         except Exception as exc:
-            print(f"--- no thread stacks from the workers: {exc!r}")
-            return
-        for address, stack in stacks.items():
-            print(f"--- threads of worker {address}", stack, sep="\n")
+            print(f"--- no thread stacks through the scheduler: {exc!r}")
+        for proc in self.procs:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        child.send_signal(signal.SIGUSR1)
+        time.sleep(1)  # the dumps reach the logs
 
     def print_log_tails(self, lines: int = 30) -> None:
         """The end of each process's log: pytest shows it where the test failed."""
@@ -242,10 +261,11 @@ def dask_processes(request, tmp_path) -> Iterator[DaskProcesses]:
     """A private set of Dask processes, for tests that kill or restart them."""
     procs = DaskProcesses(tmp_path)
     yield procs
-    if getattr(request.node, "call_failed", False) and procs.address:
+    failed = getattr(request.node, "call_failed", False)
+    if failed and procs.address:
         procs.print_thread_stacks()
     procs.close()
-    procs.print_log_tails()
+    procs.print_log_tails(400 if failed else 30)  # a failed test's logs hold its workers' stacks
 
 
 def task_run_logs(task_run_id, containing: str = "", timeout: float = 20) -> list[str]:
