@@ -29,13 +29,15 @@ async def prepare_for_flow_run(settings: Shared, dask_worker: Any = None) -> Non
     worker as a task run's thread does."""
     import threading
 
+    setup = threading.Thread(target=_prepare, args=(dask_worker, settings), name="prefect-flow-run-setup")
+    setup.daemon = True
+    setup.start()
+
+
+def _prepare(dask_worker: Any, settings: Shared) -> None:
+    """In the set-up thread: Prefect is imported here, not on the worker's event loop,
+    which a first import would hold for seconds while tasks arrive."""
     from prefect_gpu_dask import _compat
     from prefect_gpu_dask.worker.taskrun import prepare_flow_run
 
-    setup = threading.Thread(
-        target=_compat.as_on_worker,
-        args=(dask_worker, prepare_flow_run, settings),
-        name="prefect-flow-run-setup",
-    )
-    setup.daemon = True
-    setup.start()
+    _compat.as_on_worker(dask_worker, prepare_flow_run, settings)
