@@ -6,8 +6,9 @@
 Prints a table and writes ``benchmarks/results/<date>-<device>.json`` plus the headline
 figures to ``benchmarks/results/summary.json``. "Warm" means: the cluster is already
 up and the same computation ran once before; each figure is the median of ``--repeat``
-runs, with the p95 beside it where the spread matters (the speed-cube through the
-runner, leak to serving). Each section is a module of ``benchmarks/sections/``.
+runs (batches of trivial tasks: at least 5 rounds, each listed), with the p95 beside it
+where the spread matters (the speed-cube through the runner, leak to serving).
+Each section is a module of ``benchmarks/sections/``.
 """
 
 from __future__ import annotations
@@ -187,8 +188,11 @@ def write(result: dict[str, Any], out: Path) -> None:
             for k in (
                 "n",
                 "threadpool_s",
+                "threadpool_runs_s",
                 "prefect_dask_s",
                 "runner_s",
+                "runner_runs_s",
+                "runner_over_threadpool",
                 "threadpool_gpu_tagged_s",
                 "runner_guarded_gpu_tasks_s",
             )
@@ -260,6 +264,8 @@ def print_table(result: dict[str, Any]) -> None:
             "runner_guarded_gpu_tasks_s",
         ):
             rows.append((f"{p['n']} trivial tasks: {key} (s)", p.get(key)))
+        rows.append((f"{p['n']} trivial tasks: runner / thread pool", p.get("runner_over_threadpool")))
+        rows.append(("… each round (runner / thread pool)", p.get("runner_over_threadpool_runs")))
     rows += [
         ("guard per task (µs, median)", result.get("guard", {}).get("guard_us")),
         ("… with the health screen (µs)", result.get("guard", {}).get("guard_with_screen_us")),
