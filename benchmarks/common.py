@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +167,58 @@ def speed_cube_expr(n: int, chunk: int, gpu: bool):
         rs = da.random.RandomState()
     x = rs.normal(10, 1, size=(n, n), chunks=(chunk, chunk))
     return (x[::2, ::2] + 1).mean()
+
+
+def in_child_process(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` (importable, as are its arguments) in a fresh spawned process.
+
+    GPU work measured here leaves no CUDA context in the benchmark's own process: one
+    would sit on every GPU worker's GPU of a one-GPU host, and a worker beside another
+    process reads its memory the slower way (``docs/performance.md``, the guard)."""
+    import concurrent.futures
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as child:
+        return child.submit(fn, *args).result()
+
+
+def threads_cube_runs(n: int, chunk: int, runs: int) -> list[float]:
+    """The speed-cube on Dask's threads scheduler on this process's GPU: ``runs`` warm
+    runs' seconds, after one that loads its kernels. Run it ``in_child_process``."""
+    import dask
+
+    def one() -> float:
+        start = time.perf_counter()
+        check_cube(dask.compute(speed_cube_expr(n, chunk, True), scheduler="threads")[0])
+        return time.perf_counter() - start
+
+    one()
+    return [one() for _ in range(runs)]
+
+
+@contextlib.contextmanager
+def another_process_on_gpu(device: str) -> Iterator[None]:
+    """A process holding a CUDA context (CuPy's) on GPU ``device`` (as
+    ``CUDA_VISIBLE_DEVICES`` names it) for the block: as a second cluster's worker on
+    that GPU would."""
+    hold = "import cupy, sys; cupy.zeros(1); print('ready', flush=True); sys.stdin.read()"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": device}
+    with subprocess.Popen(
+        [sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    ) as holder:
+        try:
+            answer = holder.stdout.readline().strip() if holder.stdout else ""
+            if answer != "ready":
+                raise RuntimeError(f"no process could hold a CUDA context on GPU {device}")
+            yield
+        finally:
+            if holder.stdin:
+                holder.stdin.close()
+            try:
+                holder.wait(30)
+            except subprocess.TimeoutExpired:
+                holder.kill()
 
 
 def check_cube(value: Any) -> float:

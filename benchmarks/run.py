@@ -270,8 +270,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("guard per task (µs, median)", result.get("guard", {}).get("guard_us")),
         ("… with the health screen (µs)", result.get("guard", {}).get("guard_with_screen_us")),
         (
-            "… with the screen, in the bench's process (µs)",
-            result.get("guard", {}).get("in_bench_process", {}).get("guard_with_screen_us"),
+            "… with the screen, in a plain process (µs)",
+            result.get("guard", {}).get("in_plain_process", {}).get("guard_with_screen_us"),
         ),
         (
             "… with the screen, a worker sharing its GPU (µs)",

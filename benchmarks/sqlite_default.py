@@ -10,7 +10,7 @@ In one run, with the server logging every request it answers 503
   ``GPU`` slots between them.
 - ``cube``: the speed-cube as one ``gpu`` task (``flows/speed_cube.py``'s ``cube_mean``,
   its device's size), ``--cube-runs`` warm runs through the default runner: median, p95,
-  p95 / median; on a GPU, against Dask's threads scheduler on the same GPU in this process.
+  p95 / median; on a GPU, against Dask's threads scheduler on the same GPU in a child process.
 - ``join``: ``--join-runs`` flow runs, each a new flow run of three trivial ``gpu`` tasks
   joining a running cluster (``prefect-gpu-dask cluster start``, which the default runner
   joins): from the call to the first task's result, from the last result to the call's
@@ -36,8 +36,10 @@ from benchmarks.common import (  # noqa: E402
     WARM_TASKS,
     ServerLog,
     device_name,
+    in_child_process,
     p95,
     spread,
+    threads_cube_runs,
     use_readme_default,
     versions,
     warm_every_worker,
@@ -127,7 +129,7 @@ def tagged(tasks: int, rounds: int, runner_kwargs: dict[str, Any]) -> dict[str, 
 def cube(runs: int, gpu: bool, runner_kwargs: dict[str, Any]) -> dict[str, Any]:
     from prefect import flow
 
-    from flows.speed_cube import EXPECTED_MEAN, TOLERANCE, cube_mean, default_size, speed_cube_expr
+    from flows.speed_cube import EXPECTED_MEAN, TOLERANCE, cube_mean, default_size
     from prefect_gpu_dask import GPUDaskTaskRunner
 
     n, chunk = default_size(gpu)
@@ -146,17 +148,8 @@ def cube(runs: int, gpu: bool, runner_kwargs: dict[str, Any]) -> dict[str, Any]:
 
     around, inside = cubes()
     out: dict[str, Any] = {"n": n, "chunk": chunk, "runner": spread(around), "inside_task": spread(inside)}
-    if gpu:
-        import cupy
-
-        def threads() -> float:
-            start = time.perf_counter()
-            value = speed_cube_expr(n, chunk, cupy.random.RandomState, 0).compute(scheduler="threads")
-            assert abs(float(value) - EXPECTED_MEAN) < TOLERANCE
-            return time.perf_counter() - start
-
-        threads()
-        raw = [threads() for _ in range(runs)]
+    if gpu:  # in a process of its own: this one holds no CUDA context beside the workers
+        raw = in_child_process(threads_cube_runs, n, chunk, runs)
         out["raw_threads"] = spread(raw)
         out["runner_over_raw_threads"] = out["runner"]["median_s"] / out["raw_threads"]["median_s"]
     return out

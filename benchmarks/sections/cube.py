@@ -12,10 +12,12 @@ from typing import Any
 from benchmarks.common import (
     Options,
     check_cube,
+    in_child_process,
     median_of,
     runs_of,
     speed_cube_expr,
     spread,
+    threads_cube_runs,
     warm_every_worker,
 )
 from benchmarks.servers import on_postgres
@@ -37,22 +39,27 @@ def bench_speed_cube(n: int, chunk: int, gpu: bool, repeat: int, cpu_n: int) -> 
     out["cpu_threads_measured_s"] = cpu_s
     if not gpu:
         return out
-    out["raw_threads_s"] = median_of(
-        lambda: check_cube(speed_cube_expr(n, chunk, True).compute(scheduler="threads")), repeat
-    )
-    from dask_cuda import LocalCUDACluster
-    from distributed import Client
-
-    with LocalCUDACluster(threads_per_worker=GPU_WORKER_THREADS) as cluster, Client(cluster) as client:
-        out["raw_local_cuda_cluster_s"] = median_of(
-            lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
-        )
-
+    # Raw Dask in a process of its own: this one never holds a CUDA context (in_child_process).
+    out["raw_threads_s"] = statistics.median(in_child_process(threads_cube_runs, n, chunk, repeat))
+    out["raw_local_cuda_cluster_s"] = in_child_process(raw_local_cuda_cluster_s, n, chunk, repeat, None)
     runner = cube_through_runner(n, chunk, max(repeat, 20), spread_of_runs=True)
     out["runner"] = runner
     out["runner_s"] = runner["median_s"]
     out["runner_postgres"] = on_postgres(lambda: cube_through_runner(n, chunk, max(repeat, 20), True))
     return out
+
+
+def raw_local_cuda_cluster_s(n: int, chunk: int, repeat: int, devices: str | None) -> float:
+    """The speed-cube through ``client.compute`` on a ``LocalCUDACluster`` of ``devices``
+    (all GPUs: None), median of ``repeat`` warm runs. Run it ``in_child_process``."""
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    with (
+        LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=GPU_WORKER_THREADS) as cluster,
+        Client(cluster) as client,
+    ):
+        return median_of(lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat)
 
 
 def cube_through_runner(

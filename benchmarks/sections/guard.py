@@ -1,12 +1,13 @@
 """guard: the guard's ``begin()`` + ``end()`` around an empty task with the real NVML probe,
 each of its readings on its own, and the health check (before each ``gpu`` task, and the
 full one of the timer): in a task's thread on a GPU worker that has just run the
-speed-cube, where the guard runs, and in this benchmark's own process.
+speed-cube, where the guard runs, and in a plain process.
 
 The worker runs on the last GPU, alone there as each of the default runner's workers is
-on its own GPU; where there are two or more, again on GPU 0, which this benchmark's own
-process shares with it (its CUDA context), as two clusters on one GPU share it: there
-the guard reads the process list with every reading."""
+on its own GPU (the benchmark's own process holds no CUDA context: its GPU work runs in
+child processes); then again on GPU 0 beside another process holding a CUDA context
+there, as two clusters on one GPU share it: there the guard reads the process list with
+every reading."""
 
 from __future__ import annotations
 
@@ -16,41 +17,41 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.common import Options, runs_of
+from benchmarks.common import Options, another_process_on_gpu, in_child_process, runs_of
 
 SAMPLES = 2000
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:
-    here = bench_guard(SAMPLES)
-    if here.get("guard_us") is None:  # no GPU
-        yield "guard", here
+    if not options.gpu:
+        yield "guard", bench_guard(SAMPLES)  # no GPU: the guard is a no-op
         return
-    from prefect_gpu_dask.nvml import visible_gpu_count
-
-    last = visible_gpu_count() - 1
-    in_worker = on_gpu_worker(SAMPLES, options.n, options.chunk, last)
-    shared = {}
-    if last > 0:
-        shared = {"sharing_its_gpu": on_gpu_worker(SAMPLES, options.n, options.chunk, 0)}
-    yield "guard", in_worker | shared | {"in_bench_process": here}
-
-
-def on_gpu_worker(samples: int, n: int, chunk: int, gpu: int) -> dict[str, Any]:
-    """``bench_guard`` in a task on a one-GPU ``LocalCUDACluster`` worker on GPU ``gpu``
-    (its index among the visible ones), after that worker computed the speed-cube: the
-    process, its CUDA context and CuPy's pool as a guarded task's thread finds them."""
     import os
 
+    from prefect_gpu_dask.nvml import visible_gpu_count
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = (
+        [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(visible_gpu_count())]
+    )
+    in_worker = on_gpu_worker(SAMPLES, options.n, options.chunk, devices[-1])
+    with another_process_on_gpu(devices[0]):
+        shared = on_gpu_worker(SAMPLES, options.n, options.chunk, devices[0])
+    plain = in_child_process(bench_guard, SAMPLES) | {"where": "a process of its own, alone on its GPU"}
+    yield "guard", in_worker | {"sharing_its_gpu": shared, "in_plain_process": plain}
+
+
+def on_gpu_worker(samples: int, n: int, chunk: int, device: str) -> dict[str, Any]:
+    """``bench_guard`` in a task on a one-GPU ``LocalCUDACluster`` worker on GPU
+    ``device``, after that worker computed the speed-cube: the process, its CUDA context
+    and CuPy's pool as a guarded task's thread finds them."""
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    from benchmarks.common import check_cube, speed_cube_expr
+    from benchmarks.common import threads_cube_runs
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    device = visible.split(",")[gpu].strip() if visible else str(gpu)
     with LocalCUDACluster(CUDA_VISIBLE_DEVICES=device) as cluster, Client(cluster) as client:
-        check_cube(client.compute(speed_cube_expr(n, chunk, True)).result())
+        client.submit(threads_cube_runs, n, chunk, 1, pure=False).result()  # its values stay there
         measured = client.submit(bench_guard, samples, pure=False).result()
         return measured | {"where": f"gpu worker task, GPU {device}"}
 
@@ -127,7 +128,7 @@ def bench_guard(samples: int) -> dict[str, Any]:
     parts_us = {name: statistics.median(runs_of(step, samples)) * 1e6 for name, step in parts.items()}
     pool = _cupy_pool()
     return {
-        "where": "bench process",
+        "where": "this process",
         "gpu_processes": len(guard.probe.process_pids()),  # each is an entry of the process read
         "process_threads": threading.active_count(),
         "cupy_pool_bytes": pool.total_bytes() if pool else None,

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.common import Options, check_cube, median_of, speed_cube_expr
-from benchmarks.sections.cube import cube_through_runner
-from prefect_gpu_dask.flow.cluster import GPU_WORKER_THREADS
+from benchmarks.common import Options, in_child_process
+from benchmarks.sections.cube import cube_through_runner, raw_local_cuda_cluster_s
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:
@@ -25,8 +24,6 @@ def run(options: Options) -> Iterator[tuple[str, Any]]:
 def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
     """1, 2, 4, 8 GPUs: through the runner (one gpu task, compute_on_gpus) and raw Dask."""
     import pynvml
-    from dask_cuda import LocalCUDACluster
-    from distributed import Client
 
     pynvml.nvmlInit()
     count = pynvml.nvmlDeviceGetCount()
@@ -40,13 +37,9 @@ def bench_scaling(n: int, chunk: int, repeat: int) -> dict[str, Any]:
         )
         out[f"runner_{k}gpu"] = runs  # with the time inside the task: the rest is the task's overhead
         out[f"runner_{k}gpu_s"] = runs["median_s"]
-        with (
-            LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=GPU_WORKER_THREADS) as cl,
-            Client(cl) as client,
-        ):
-            out[f"raw_distributed_{k}gpu_s"] = median_of(
-                lambda: check_cube(client.compute(speed_cube_expr(n, chunk, True)).result()), repeat
-            )
+        out[f"raw_distributed_{k}gpu_s"] = in_child_process(
+            raw_local_cuda_cluster_s, n, chunk, repeat, devices
+        )
     for k in (2, 4, 8):
         if f"runner_{k}gpu_s" in out:
             out[f"scaling_{k}gpu"] = out["runner_1gpu_s"] / out[f"runner_{k}gpu_s"]
