@@ -49,6 +49,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
         "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
         "worker.compute": {"ShareServer"},  # the share server plugin, likewise
+        "worker.stream": {"PromptStream"},  # the prompt stream plugin, likewise
     },
     "flow.submission": {
         # the Dask task of every task run, and what prepares a worker for a flow run
