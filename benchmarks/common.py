@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -207,16 +208,20 @@ def another_process_on_gpu(device: str) -> Iterator[None]:
     with subprocess.Popen(
         [sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
     ) as holder:
+        answer: list[str] = []
         try:
-            answer = holder.stdout.readline().strip() if holder.stdout else ""
-            if answer != "ready":
+            read = lambda: answer.append(holder.stdout.readline().strip())  # noqa: E731
+            ready = threading.Thread(target=read, daemon=True)
+            ready.start()
+            ready.join(60)  # a CUDA start that hangs must not hang the benchmark
+            if answer != ["ready"]:
                 raise RuntimeError(f"no process could hold a CUDA context on GPU {device}")
             yield
         finally:
             if holder.stdin:
                 holder.stdin.close()
             try:
-                holder.wait(30)
+                holder.wait(30 if answer == ["ready"] else 0)
             except subprocess.TimeoutExpired:
                 holder.kill()
 

@@ -483,13 +483,14 @@ def current_task_restrictions() -> dict[str, float] | None:
     return ts.resource_restrictions if ts is not None else None
 
 
-PROMPT_S = 0.0005  # the longest a prompt stream holds a message behind its last write
+PROMPT_S = 0.0  # a prompt stream writes as soon as its last write is done
 
 
 def send_promptly(stream: Any, interval_s: float = PROMPT_S) -> bool:
     """Let a ``BatchedSend`` hold a message back at most ``interval_s`` after its last
-    write, instead of Dask's fixed interval (10 ms on a client's stream to the
-    scheduler, 2 ms on a worker's). Whether it could. Why: ``worker.stream``.
+    write began, instead of Dask's fixed interval (10 ms on a client's stream to the
+    scheduler, 2 ms on a worker's); messages that come while a write is under way still
+    leave together. Whether it could. Why: ``worker.stream``.
 
     Public replacement: a Dask setting for the batched streams' interval (none exists).
     """

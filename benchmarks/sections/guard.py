@@ -23,8 +23,8 @@ SAMPLES = 2000
 
 
 def run(options: Options) -> Iterator[tuple[str, Any]]:
-    if not options.gpu:
-        yield "guard", bench_guard(SAMPLES)  # no GPU: the guard is a no-op
+    if not options.gpu:  # no GPU (a no-op guard), or --quick: a process of its own all the same
+        yield "guard", in_child_process(bench_guard, SAMPLES)
         return
     import os
 
@@ -35,8 +35,11 @@ def run(options: Options) -> Iterator[tuple[str, Any]]:
         [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(visible_gpu_count())]
     )
     in_worker = on_gpu_worker(SAMPLES, options.n, options.chunk, devices[-1])
-    with another_process_on_gpu(devices[0]):
-        shared = on_gpu_worker(SAMPLES, options.n, options.chunk, devices[0])
+    try:
+        with another_process_on_gpu(devices[0]):
+            shared = on_gpu_worker(SAMPLES, options.n, options.chunk, devices[0])
+    except RuntimeError as exc:  # e.g. a GPU in exclusive-process mode
+        shared = {"error": str(exc)}
     plain = in_child_process(bench_guard, SAMPLES) | {"where": "a process of its own, alone on its GPU"}
     yield "guard", in_worker | {"sharing_its_gpu": shared, "in_plain_process": plain}
 

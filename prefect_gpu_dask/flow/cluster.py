@@ -26,7 +26,7 @@ from distributed.comm import CommClosedError
 from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
-from prefect_gpu_dask import _compat, forkserver, nvml
+from prefect_gpu_dask import forkserver, nvml
 from prefect_gpu_dask.host_cluster import FLOW_RUN_CLIENT, HostCluster, find_host_cluster
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
@@ -261,11 +261,9 @@ def _connect(runner: GPUDaskTaskRunner, address: str | None, client_kwargs: dict
     saved = runner.address, runner.client_kwargs
     runner.address, runner.client_kwargs = address, kwargs
     try:
-        client = DaskTaskRunner.client.fget(runner)
+        return DaskTaskRunner.client.fget(runner)
     finally:
         runner.address, runner.client_kwargs = saved
-    _compat.send_promptly(client.scheduler_comm)  # as each worker's (worker.stream says why)
-    return client
 
 
 def _host_cluster(runner: GPUDaskTaskRunner) -> HostCluster | None:

@@ -116,6 +116,8 @@ class TaskSubmitter:
     ) -> RecyclableFuture:
         """Send one run of ``task`` as ``route`` says."""
         task = self.dressed(task, route)
+        # Each time: a client that reconnected has a new stream (worker.stream says why).
+        _compat.send_promptly(self._client.scheduler_comm)
         marks = {TASK_RUN: True, **({"resources": route.resources} if route.resources else {})}
         with dask.annotate(**marks):
             wait_for = _resolved(wait_for) if wait_for else None

@@ -5,12 +5,14 @@ and, after each write, holds the next one back for a fixed interval: 2 ms on a
 worker's stream, 10 ms on a client's. A task run's worker tells the scheduler how the
 run ended (``recycling.announce_end``) just before the task finishes, and the flow
 releases the previous result just before it submits its next task, so each task run
-waited for one of those intervals on its way in and again on its way out.
+waited for one of those holds on its way in and again on its way out.
 ``PromptStream``, a small ``WorkerPlugin`` the runner registers on every cluster it
-uses, shortens the worker's hold to half a millisecond; the runner does the same to
-its own client's stream (``flow.cluster``). Messages that come together still leave in
-one write.
-"""
+uses, lets the worker's stream write as soon as its last write is done; the runner does
+the same to its own client's stream with each submission (a client that reconnects
+gets a new stream; ``flow.submission``). Messages that come while a write is under way still leave
+together. The scheduler's own streams (5 ms to a worker, 2 ms to a client) are left as
+Dask has them: lowering them changed nothing measurable
+(``benchmarks/probes/task_hops.py``, ``docs/performance.md``)."""
 
 from __future__ import annotations
 

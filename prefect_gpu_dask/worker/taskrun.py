@@ -17,6 +17,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import cloudpickle
+
+# Prefect sets up logging as ``prefect.main`` is first imported, which a task's own
+# module does with ``from prefect import flow``, and again in full where the first set-up
+# was made elsewhere. Imported here, before this process starts Prefect's API log and
+# event workers: a set-up while one of them starts flushes its handler under the
+# logging lock the worker's thread waits for, and both wait for good.
+import prefect.main  # noqa: F401
 from distributed import get_worker
 from prefect.context import SettingsContext, SyncClientContext, hydrated_context
 from prefect.events.worker import EventsWorker
