@@ -6,13 +6,14 @@ worker's stream, 10 ms on a client's. A task run's worker tells the scheduler ho
 run ended (``recycling.announce_end``) just before the task finishes, and the flow
 releases the previous result just before it submits its next task, so each task run
 waited for one of those holds on its way in and again on its way out.
+
 ``PromptStream``, a small ``WorkerPlugin`` the runner registers on every cluster it
 uses, lets the worker's stream write as soon as its last write is done; the runner does
-the same to its own client's stream with each submission (a client that reconnects
-gets a new stream; ``flow.submission``). Messages that come while a write is under way still leave
-together. The scheduler's own streams (5 ms to a worker, 2 ms to a client) are left as
-Dask has them: lowering them changed nothing measurable
-(``benchmarks/probes/task_hops.py``, ``docs/performance.md``)."""
+the same to its own client's stream with each submission (``flow.submission``: a client
+that reconnects gets a new stream). Messages that come while a write is under way still
+leave together. The scheduler's own streams (5 ms to a worker, 2 ms to a client) are
+left as Dask has them: lowering them too moved no hop (``docs/performance.md``, "Dask's
+batched streams")."""
 
 from __future__ import annotations
 
