@@ -189,13 +189,9 @@ def threads_cube_runs(n: int, chunk: int, runs: int) -> list[float]:
     runs' seconds, after one that loads its kernels. Run it ``in_child_process``."""
     import dask
 
-    def one() -> float:
-        start = time.perf_counter()
-        check_cube(dask.compute(speed_cube_expr(n, chunk, True), scheduler="threads")[0])
-        return time.perf_counter() - start
-
-    one()
-    return [one() for _ in range(runs)]
+    return runs_of(
+        lambda: check_cube(dask.compute(speed_cube_expr(n, chunk, True), scheduler="threads")[0]), runs
+    )
 
 
 @contextlib.contextmanager
