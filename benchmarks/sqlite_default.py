@@ -283,7 +283,7 @@ def main() -> int:
         )
         if "raw_threads" in c:
             raw = c["raw_threads"]["median_s"]
-            line += f"; raw threads {raw:.3f} s: runner / raw {c['runner_over_raw_threads']:.2f}"
+            line += f"; raw threads {raw:.3f} s: runner / raw {c['runner_over_raw_threads']:.3f}"
         print(line)
     if "join" in result:
         print(f"joining a running cluster, {result['join']['runs']} flow runs (median, p95):")

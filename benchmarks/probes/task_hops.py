@@ -96,10 +96,29 @@ def cube(n: int, chunk: int) -> tuple[float, float]:
     return began, time.time()
 
 
+class SchedulerMarks:
+    """In the scheduler: when the task's key reached the worker and came back in memory."""
+
+    name = "task-hops-marks"
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if finish in ("processing", "memory"):
+            self.marks.append((f"scheduler: {finish}", time.time()))
+
+
 @flow(task_runner=GPUDaskTaskRunner())
 def hops(runs: int, restore: bool) -> dict[str, list[float]]:
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
     client = FlowRunContext.get().task_runner.client
     client.run(install)
+    marks_plugin = type("Marks", (SchedulerMarks, SchedulerPlugin), {})()
+    scheduler = getattr(getattr(FlowRunContext.get().task_runner, "_cluster", None), "scheduler", None)
+    if scheduler is not None:  # a local cluster's scheduler runs in this process
+        scheduler.add_plugin(marks_plugin)
     if restore:
         from prefect_gpu_dask import _compat
 
@@ -110,10 +129,18 @@ def hops(runs: int, restore: bool) -> dict[str, list[float]]:
     rows: dict[str, list[float]] = {}
     for run in range(runs + 3):  # three warm-up runs
         client.run(collect)
+        marks_plugin.marks.clear()
         submitted = time.time()
-        began, ended = cube.submit(n, chunk).result()
+        future = cube.submit(n, chunk)
+        done: list[float] = []
+        future.wrapped_future.add_done_callback(lambda _, done=done: done.append(time.time()))
+        began, ended = future.result()
         returned = time.time()
         marks = {"body": began, "body end": ended, "result in the flow": returned}
+        if done:
+            marks["Dask future done"] = done[0]
+        for label, at in marks_plugin.marks:
+            marks.setdefault(label, at)
         for hop_list in client.run(collect).values():
             for label, at in hop_list:
                 marks.setdefault(label, at)
