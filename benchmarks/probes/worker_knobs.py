@@ -1,7 +1,8 @@
 """What the GPU worker's other work costs a speed-cube inside a ``gpu`` task: the cube
 through the default runner on the README default, with one of the worker's background
 jobs paused at a time (the guard's activity thread, its peak sampler backed off
-further, distributed's system monitor, Dask's profiler, all of them), alternating over
+further; on the worker's event loop: Dask's tick, memory monitor, system monitor and
+profiler; all of the loop's, all of them), alternating over
 ``--rounds`` rounds of ``--runs`` cubes each, one cluster throughout; and raw Dask
 threads in a plain process. Medians of the seconds inside the task (``compute_on_gpus``)
 and around it (submit to result).
@@ -20,7 +21,12 @@ from benchmarks.common import in_child_process, threads_cube_runs, use_readme_de
 
 use_readme_default("worker-knobs")
 
-LOOP_JOBS = {"monitor": ("monitor",), "profiler": ("profile", "profile-cycle")}
+LOOP_JOBS = {
+    "tick": ("tick",),
+    "memory": ("memory_monitor",),
+    "monitor": ("monitor",),
+    "profiler": ("profile", "profile-cycle"),
+}
 
 
 def pause(knob: str, dask_worker=None) -> None:
@@ -53,7 +59,17 @@ def pause(knob: str, dask_worker=None) -> None:
                     dask_worker.periodic_callbacks[name].stop()
 
 
-KNOBS = ["", "activity", "peak-1s", "monitor", "profiler", "activity+peak-1s+monitor+profiler"]
+KNOBS = [
+    "",
+    "activity",
+    "peak-1s",
+    "tick",
+    "memory",
+    "monitor",
+    "profiler",
+    "tick+memory+monitor+profiler",
+    "activity+peak-1s+tick+memory+monitor+profiler",
+]
 
 
 def main() -> None:
