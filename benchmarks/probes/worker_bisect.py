@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common import use_readme_default  # noqa: E402
@@ -37,19 +36,15 @@ def cube_times(runs: int) -> list[float]:
     """``runs`` timed speed-cubes on Dask's threads scheduler, after one warm-up."""
     import dask
 
-    from benchmarks.common import check_cube, speed_cube_expr
+    from benchmarks.common import check_cube, runs_of, speed_cube_expr
     from flows.speed_cube import default_size
     from prefect_gpu_dask import gpu_available
 
     gpu = gpu_available()
     n, chunk = default_size(gpu)
-    times = []
-    for i in range(runs + 1):
-        start = time.perf_counter()
-        check_cube(dask.compute(speed_cube_expr(n, chunk, gpu), scheduler="threads")[0])
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
+    return runs_of(
+        lambda: check_cube(dask.compute(speed_cube_expr(n, chunk, gpu), scheduler="threads")[0]), runs
+    )
 
 
 # A worker's periodic work on its event loop's thread, off (or as rare as it gets).

@@ -11,7 +11,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common import in_child_process, use_readme_default  # noqa: E402
@@ -24,20 +23,19 @@ def cubes(runs: int) -> list[float]:
 
     import dask
 
-    from benchmarks.common import check_cube, speed_cube_expr
+    from benchmarks.common import check_cube, runs_of, speed_cube_expr
     from flows.speed_cube import default_size
     from prefect_gpu_dask import gpu_available
 
     gpu = gpu_available()
     n, chunk = default_size(gpu)
-    times = []
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        for i in range(runs + 1):
-            start = time.perf_counter()
-            check_cube(dask.compute(speed_cube_expr(n, chunk, gpu), scheduler="threads", pool=pool)[0])
-            if i:
-                times.append(time.perf_counter() - start)
-    return times
+        return runs_of(
+            lambda: check_cube(
+                dask.compute(speed_cube_expr(n, chunk, gpu), scheduler="threads", pool=pool)[0]
+            ),
+            runs,
+        )
 
 
 def in_runner(runs: int, spawn: bool) -> list[float]:
