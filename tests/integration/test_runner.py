@@ -21,6 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, forkserver
 from prefect_gpu_dask.flow import routing
+from prefect_gpu_dask.flow.cluster import PROFILE_INTERVAL, WORKER_PROFILE_INTERVAL
 from tests.conftest import recorded_task_run, task_run_logs, worker_process_state
 
 
@@ -167,11 +168,13 @@ def test_default_runner_without_gpus_runs_gpu_tasks_on_cpu():
 
 
 @task
-def worker_parent_and_mark() -> tuple[int, str | None]:
-    return os.getppid(), os.environ.get("PREFECT_GPU_DASK_TEST_MARK")
+def worker_parent_and_mark() -> tuple[int, str | None, str]:
+    import dask
+
+    return os.getppid(), os.environ.get("PREFECT_GPU_DASK_TEST_MARK"), dask.config.get(PROFILE_INTERVAL)
 
 
-def _local_worker_parent_and_mark() -> tuple[int, str | None]:
+def _local_worker_parent_and_mark() -> tuple[int, str | None, str]:
     @flow(task_runner=GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 1}))
     def which():
         return worker_parent_and_mark.submit().result()
@@ -179,10 +182,11 @@ def _local_worker_parent_and_mark() -> tuple[int, str | None]:
     return which()
 
 
-def test_local_workers_fork_from_a_preloaded_server():
-    parent, _ = _local_worker_parent_and_mark()
+def test_local_workers_fork_from_a_preloaded_server_and_sample_profiles_coarser():
+    parent, _, profile_interval = _local_worker_parent_and_mark()
     # A spawned worker is the child of this process, where its Nanny runs.
     assert parent != os.getpid()
+    assert profile_interval == WORKER_PROFILE_INTERVAL
 
 
 ENTER_AND_REPORT = """
@@ -314,7 +318,7 @@ def test_local_workers_spawn_when_the_environment_changed_since_the_server_start
     mark = uuid.uuid4().hex
     monkeypatch.setenv("PREFECT_GPU_DASK_TEST_MARK", mark)
     with caplog.at_level("INFO", logger=forkserver.__name__):
-        parent, seen = _local_worker_parent_and_mark()
+        parent, seen, _ = _local_worker_parent_and_mark()
     assert (parent, seen) == (os.getpid(), mark)
     # Named, never valued: a variable may hold a secret.
     assert "$PREFECT_GPU_DASK_TEST_MARK changed since the fork server started" in caplog.text
