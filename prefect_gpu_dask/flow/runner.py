@@ -57,6 +57,7 @@ from prefect_gpu_dask.worker.compute import ShareServer
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
 from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
+from prefect_gpu_dask.worker.recycling import EarlyStartNotices
 from prefect_gpu_dask.worker.stream import PromptStream
 
 P = ParamSpec("P")
@@ -272,8 +273,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return self._client
 
     def _register_plugins(self, client: distributed.Client) -> None:
-        """The labels, the share server, the heap freezer and the prompt stream on every
-        worker, and the guard where the cluster has (or may get) a GPU.
+        """The labels, the share server, the heap freezer, the prompt stream and the early
+        start notices on every worker, and the guard where the cluster has (or may get) a GPU.
 
         Registered on the scheduler: workers that join later get them too, and each
         decides for itself whether it has a GPU to label or guard.
@@ -294,6 +295,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client.register_plugin(PromptStream(), name=PromptStream.name)
         except Exception as exc:
             self.logger.warning("Could not let workers send to the scheduler promptly: %s", exc)
+        try:
+            client.register_plugin(EarlyStartNotices(), name=EarlyStartNotices.name)
+        except Exception as exc:  # task runs still send their own, from their threads
+            self.logger.warning("Could not let workers send start notices as tasks start: %s", exc)
         offered = self._offers.refresh()
         if self.settings.guard == "off":
             return
