@@ -4,8 +4,9 @@ and refuse a task run whose previous worker died running it.
 Two doors: the guard hands each record to its ``WorkerRecycling`` (which drains the
 worker when the record asks for a restart, and, in a replacement, holds tasks off until
 the old process's GPU memory is gone); a task run passes ``admit`` before Prefect's
-engine starts. The flow's ``Recycler`` calls ``drain`` and ``resume`` on the worker's
-event loop through ``client.run``.
+engine starts, its start notice already sent as the worker began executing it
+(``EarlyStartNotices``). The flow's ``Recycler`` calls ``drain`` and ``resume`` on the
+worker's event loop through ``client.run``.
 """
 
 from __future__ import annotations
