@@ -4,7 +4,7 @@ and refuse a task run whose previous worker died running it.
 Two doors: the guard hands each record to its ``WorkerRecycling`` (which drains the
 worker when the record asks for a restart, and, in a replacement, holds tasks off until
 the old process's GPU memory is gone); a task run passes ``admit`` before Prefect's
-engine starts, its start notice already sent as the worker began executing it
+engine starts, its start notice already queued as the worker began executing it
 (``EarlyStartNotices``). The flow's ``Recycler`` calls ``drain`` and ``resume`` on the
 worker's event loop through ``client.run``.
 """

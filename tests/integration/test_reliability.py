@@ -236,7 +236,7 @@ def not_announced(_: int) -> int:
     return os.getpid()
 
 
-def test_a_task_run_starting_to_execute_sends_its_start_notice_once_before_its_thread_runs(procs):
+def test_a_task_run_starting_to_execute_sends_its_start_notice_once_from_the_event_loop(procs):
     """With ``EarlyStartNotices`` the worker sends a task run's notice as it starts
     executing it, even when the thread never asks; a thread that does ask (as every task
     run's entry does) waits for that same notice, so each start is told exactly once.
