@@ -184,14 +184,23 @@ def in_child_process(fn: Any, *args: Any) -> Any:
         return child.submit(fn, *args).result()
 
 
-def threads_cube_runs(n: int, chunk: int, runs: int) -> list[float]:
-    """The speed-cube on Dask's threads scheduler on this process's GPU: ``runs`` warm
-    runs' seconds, after one that loads its kernels. Run it ``in_child_process``."""
+def threads_cube_runs(n: int, chunk: int, runs: int, gpu: bool = True, pool: Any = None) -> list[float]:
+    """The speed-cube on Dask's threads scheduler (its default pool, or ``pool``) on this
+    process's GPU (or CPU, ``gpu=False``): ``runs`` warm runs' seconds, after one that
+    loads its kernels. For a plain process, run it ``in_child_process``."""
     import dask
 
-    return runs_of(
-        lambda: check_cube(dask.compute(speed_cube_expr(n, chunk, True), scheduler="threads")[0]), runs
-    )
+    where = {"scheduler": "threads", **({"pool": pool} if pool is not None else {})}
+    return runs_of(lambda: check_cube(dask.compute(speed_cube_expr(n, chunk, gpu), **where)[0]), runs)
+
+
+def device_cube_runs(runs: int, pool: Any = None) -> list[float]:
+    """``threads_cube_runs`` at the size of this process's device (``flows/speed_cube.py``)."""
+    from flows.speed_cube import default_size
+    from prefect_gpu_dask import gpu_available
+
+    gpu = gpu_available()
+    return threads_cube_runs(*default_size(gpu), runs, gpu, pool)
 
 
 @contextlib.contextmanager

@@ -27,24 +27,13 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.common import use_readme_default  # noqa: E402
+from benchmarks.common import device_cube_runs, use_readme_default  # noqa: E402
 
 use_readme_default("worker-bisect")
 
 
-def cube_times(runs: int) -> list[float]:
-    """``runs`` timed speed-cubes on Dask's threads scheduler, after one warm-up."""
-    import dask
-
-    from benchmarks.common import check_cube, runs_of, speed_cube_expr
-    from flows.speed_cube import default_size
-    from prefect_gpu_dask import gpu_available
-
-    gpu = gpu_available()
-    n, chunk = default_size(gpu)
-    return runs_of(
-        lambda: check_cube(dask.compute(speed_cube_expr(n, chunk, gpu), scheduler="threads")[0]), runs
-    )
+# ``runs`` timed speed-cubes on Dask's threads scheduler, after one warm-up.
+cube_times = device_cube_runs
 
 
 # A worker's periodic work on its event loop's thread, off (or as rare as it gets).

@@ -21,21 +21,10 @@ use_readme_default("worker-start")
 def cubes(runs: int) -> list[float]:
     import concurrent.futures
 
-    import dask
+    from benchmarks.common import device_cube_runs
 
-    from benchmarks.common import check_cube, runs_of, speed_cube_expr
-    from flows.speed_cube import default_size
-    from prefect_gpu_dask import gpu_available
-
-    gpu = gpu_available()
-    n, chunk = default_size(gpu)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return runs_of(
-            lambda: check_cube(
-                dask.compute(speed_cube_expr(n, chunk, gpu), scheduler="threads", pool=pool)[0]
-            ),
-            runs,
-        )
+        return device_cube_runs(runs, pool)
 
 
 def in_runner(runs: int, spawn: bool) -> list[float]:
