@@ -210,6 +210,8 @@ class StartNotices:
 
     def forget(self, key: str) -> None:
         """``key`` left executing without its thread taking its early notice."""
+        if key not in self._early:  # every task leaving executing passes here: most have none
+            return
         with self._lock:
             self._early.pop(key, None)
 
