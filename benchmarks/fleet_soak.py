@@ -34,14 +34,17 @@ Checked per run: it ended within ``--run-timeout``; every task run ended as inje
 ran once (the OOM task twice, both attempts under its own task run id) and none was lost;
 the flow run's GPU report has exactly the restart its fault asks for (leak, hung) and no
 other. After the warm-up (``--warmup`` runs), every ``--sample-every`` runs and at the
-end, with no flow run in flight: this process's RSS, threads and open files; on the
+end, with no flow run in flight: this process's RSS (as found, and settled: after a full
+collection and glibc's ``malloc_trim``, which hands freed memory back), threads and open files; on the
 scheduler (through a monitor client of our own, which it counts) its plugins, clients,
 tasks, workers and events; and the rows of each table of the server's SQLite database,
 per flow run of the window. What grew from the first sample after the warm-up window
 to the last one (rows per run: to the last window of the same phase) is checked against
-``--growth-limit`` (10 %; this process's RSS against
+``--growth-limit`` (10 %; this process's settled RSS against
 ``--rss-growth-limit``, as medians of the later and earlier halves of the samples, against
-half of it, where there are four or more: ``rss_halves``); distributed's own
+half of it, where there are four or more: ``rss_halves``; the RSS as found is shown: it
+also holds what the allocator keeps of memory freed since the last full collection);
+distributed's own
 subscriptions, which every departed client leaves on the scheduler, are shown, not
 checked. With ``--cluster local`` the scheduler
 and the nannies live in this process: its figures include theirs.
@@ -141,7 +144,7 @@ SHOWN_TABLES = (
 COUNT_SLACK = {"fds": 8, "threads": 4, "threads_active": 4}
 # Counts that must not grow beyond --growth-limit after the warm-up.
 CHECKED_GROWTH = (
-    "rss_kib",
+    "rss_settled_kib",
     "threads_active",
     "threads",
     "fds",
@@ -153,6 +156,8 @@ CHECKED_GROWTH = (
     "scheduler_workers",
     "scheduler_subscribers_ours",
 )
+RSS_CHECKED = "rss_settled_kib"  # checked as medians of halves (rss_halves), with its own limit
+SHOWN_LEVELS = ("rss_kib", "scheduler_events")  # in the growth table, not checked
 WORKERS_BACK_S = 60.0  # how long a sample waits for a restarted worker to register again
 # Live GPU-memory tables per flow run depend on timing (task runs ending close together
 # share one), so their rows are bounded, not compared: at most one per task run, plus
@@ -323,7 +328,7 @@ class Sample:
     phase: str
     at_s: float
     window_runs: int  # runs since the previous sample
-    rss_kib: int
+    rss_kib: int  # as found
     threads_active: int  # threading.active_count()
     threads: int  # /proc/self/status Threads: Python's and every native one
     fds: int
@@ -339,6 +344,7 @@ class Sample:
     malloc_in_use_kib: int | None = None
     malloc_free_kib: int | None = None
     fd_kinds: dict[str, int] | None = None  # this process's open files by kind: socket, pipe, ...
+    rss_settled_kib: int | None = None  # after a full collection and malloc_trim (settled_rss_kib)
 
 
 class PythonHeap:
@@ -401,6 +407,20 @@ def malloc_status() -> dict[str, int | None]:
     info = mallinfo2()
     in_use = info.uordblks + info.hblkhd
     return {"malloc_in_use_kib": in_use // 1024, "malloc_free_kib": info.fordblks // 1024}
+
+
+def settled_rss_kib() -> int:
+    """This process's RSS once its garbage is collected and glibc's allocator has handed
+    back what it keeps of freed memory (``malloc_trim``; only the collection where the C
+    library is not glibc). Freed memory the allocator keeps comes and goes with Python's
+    full collections, a cycle as long as a short soak; what is left after both is what
+    the process still holds."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+    return process_status()["rss_kib"]
 
 
 def fd_kinds() -> dict[str, int]:
@@ -660,6 +680,7 @@ class Soak:
             fd_kinds=fd_kinds(),
             **status,
         )
+        sample.rss_settled_kib = settled_rss_kib()  # last: it frees what the figures above saw
         if self.heap and after_runs == self.args.warmup:
             self.heap.mark()
         if rows is not None and previous is not None and previous.db_rows is not None and window:
@@ -758,7 +779,9 @@ def sample_line(s: Sample) -> str:
     if s.rows_per_run:
         rows = "  rows/run " + " ".join(f"{t}={s.rows_per_run.get(t, 0):g}" for t in SHOWN_TABLES)
     return (
-        f"sample after {s.after_runs} runs: rss {s.rss_kib / 1024:.0f} MiB threads {s.threads_active}/"
+        f"sample after {s.after_runs} runs: rss {s.rss_kib / 1024:.0f} MiB"
+        + (f" (settled {s.rss_settled_kib / 1024:.0f} MiB)" if s.rss_settled_kib is not None else "")
+        + f" threads {s.threads_active}/"
         f"{s.threads} fds {s.fds}  scheduler plugins {sched['scheduler_plugins']} clients "
         f"{sched['scheduler_clients']} tasks {sched['scheduler_tasks']} workers {sched['scheduler_workers']}"
         + rows
@@ -782,7 +805,7 @@ def flat(sample: Sample) -> dict[str, float]:
         "fds": sample.fds,
     }
     values |= {k: v for k, v in sample.scheduler.items() if isinstance(v, int)}
-    for name in ("malloc_in_use_kib", "malloc_free_kib"):
+    for name in ("rss_settled_kib", "malloc_in_use_kib", "malloc_free_kib"):
         if getattr(sample, name) is not None:
             values[name] = getattr(sample, name)
     values |= {f"fds.{kind}": n for kind, n in (sample.fd_kinds or {}).items()}
@@ -800,8 +823,8 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
     more than ``COUNT_SLACK``. Artifact rows per
     run depend on timing, so they are held to a ceiling instead: one table per task run
     plus ``FLOW_END_TABLES``, in every window.
-    RSS rises and falls with Python's full collections, a cycle as long as a short soak,
-    so with four samples or more it is checked as the median of the later half against
+    The settled RSS still moves with what a collection leaves, so with four samples or
+    more it is checked as the median of the later half against
     the median of the earlier half (``rss_halves``), against half the limit: the two
     medians sit about a quarter and three quarters of the way, so a steady leak moves
     them apart by about half its growth; one sample on a crest or in a trough does not.
@@ -826,7 +849,7 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
             name.startswith("rows_per_run.") and name != "rows_per_run.artifact"
         )
         beyond_slack = change > COUNT_SLACK.get(name, 0)
-        if checked and beyond_slack and fraction > (rss_limit if name == "rss_kib" else limit):
+        if checked and beyond_slack and fraction > (rss_limit if name == RSS_CHECKED else limit):
             exceeded.append(name)
     for sample in after:
         rows = sample.rows_per_run or {}
@@ -834,10 +857,10 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
             exceeded.append("rows_per_run.artifact")  # more tables than task runs: a leak of them
             break
     halves = rss_halves(after)
-    if halves is not None and "rss_kib" in figures:
-        exceeded = [name for name in exceeded if name != "rss_kib"]
+    if halves is not None and RSS_CHECKED in figures:
+        exceeded = [name for name in exceeded if name != RSS_CHECKED]
         if halves["growth"] > rss_limit / 2:
-            exceeded.append("rss_kib")
+            exceeded.append(RSS_CHECKED)
     return {
         "first": first.after_runs,
         "last": last.after_runs,
@@ -849,12 +872,12 @@ def growth(samples: list[Sample], warmup: int, limit: float, rss_limit: float) -
 
 
 def rss_halves(after_warmup: list[Sample]) -> dict[str, Any] | None:
-    """Median RSS of the later half of the samples against the earlier half's (KiB)."""
-    if len(after_warmup) < 4:
+    """Median settled RSS of the later half of the samples against the earlier half's (KiB)."""
+    if len(after_warmup) < 4 or any(s.rss_settled_kib is None for s in after_warmup):
         return None
     middle = len(after_warmup) // 2
-    earlier = statistics.median(s.rss_kib for s in after_warmup[:middle])
-    later = statistics.median(s.rss_kib for s in after_warmup[-middle:])
+    earlier = statistics.median(s.rss_settled_kib for s in after_warmup[:middle])
+    later = statistics.median(s.rss_settled_kib for s in after_warmup[-middle:])
     return {
         "earlier_runs": [s.after_runs for s in after_warmup[:middle]],
         "later_runs": [s.after_runs for s in after_warmup[-middle:]],
@@ -937,7 +960,7 @@ def failed_checks(s: dict[str, Any], workers: int) -> list[str]:
 def print_tables(s: dict[str, Any], samples: list[Sample], failures: list[str], rows: list[RunRow]) -> None:
     print()
     header = (
-        f"{'after':>5} {'phase':<10} {'RSS MiB':>7} {'thr':>4} {'/proc':>5} {'fds':>4} "
+        f"{'after':>5} {'phase':<10} {'RSS MiB':>7} {'settled':>7} {'thr':>4} {'/proc':>5} {'fds':>4} "
         f"{'peak thr':>8} {'peak fds':>8} {'plugins':>7} {'wplug':>5} {'clients run/all':>15} {'tasks':>5} "
         f"{'workers':>7} {'subs ours/all':>13}"
     )
@@ -945,7 +968,8 @@ def print_tables(s: dict[str, Any], samples: list[Sample], failures: list[str], 
     for x in samples:
         sc = x.scheduler
         print(
-            f"{x.after_runs:>5} {x.phase:<10} {x.rss_kib / 1024:>7.0f} {x.threads_active:>4} {x.threads:>5} "
+            f"{x.after_runs:>5} {x.phase:<10} {x.rss_kib / 1024:>7.0f} "
+            f"{(x.rss_settled_kib or 0) / 1024:>7.0f} {x.threads_active:>4} {x.threads:>5} "
             f"{x.fds:>4} {x.peak.get('threads', 0):>8} {x.peak.get('fds', 0):>8} "
             f"{sc['scheduler_plugins']:>7} {sc['scheduler_worker_plugins']:>5} "
             f"{str(sc['scheduler_runner_clients']) + '/' + str(sc['scheduler_clients']):>15} "
@@ -976,15 +1000,15 @@ def print_tables(s: dict[str, Any], samples: list[Sample], failures: list[str], 
         )
         halves = g.get("rss_halves")
         for name, fig in g["figures"].items():
-            if name in CHECKED_GROWTH or name.split(".", 1)[-1] in SHOWN_TABLES or name == "scheduler_events":
+            if name in CHECKED_GROWTH or name.split(".", 1)[-1] in SHOWN_TABLES or name in SHOWN_LEVELS:
                 mark = "  EXCEEDED" if name in g["exceeded"] else ""
-                if name == "rss_kib" and halves:
+                if name == RSS_CHECKED and halves:
                     mark = "  (shown; checked as medians, below)" + mark
                 print(f"  {name:<34} {fig['first']:>10g} -> {fig['last']:>10g}  {fig['growth']:+.1%}{mark}")
         if halves:
-            mark = "  EXCEEDED" if "rss_kib" in g["exceeded"] else ""
+            mark = "  EXCEEDED" if RSS_CHECKED in g["exceeded"] else ""
             print(
-                f"  rss_kib, median of runs {halves['earlier_runs']} -> of runs {halves['later_runs']}:"
+                f"  {RSS_CHECKED}, median of runs {halves['earlier_runs']} -> of runs {halves['later_runs']}:"
                 f" {halves['earlier_median_kib']:g} -> {halves['later_median_kib']:g}"
                 f"  {halves['growth']:+.1%} (limit {s['rss_growth_limit'] / 2:.0%}){mark}"
             )

@@ -5,21 +5,24 @@ from __future__ import annotations
 from benchmarks.fleet_soak import Sample, growth
 
 
-def samples(rss_mib: list[int], threads: int = 10) -> list[Sample]:
+def samples(rss_mib: list[int], threads: int = 10, found_mib: list[int] | None = None) -> list[Sample]:
+    """Samples whose settled RSS is ``rss_mib`` (and, unless given, their RSS as found)."""
+    found_mib = rss_mib if found_mib is None else found_mib
     return [
         Sample(
             after_runs=50 * (i + 1),
             phase="soak",
             at_s=float(i),
             window_runs=50,
-            rss_kib=mib * 1024,
+            rss_kib=found * 1024,
+            rss_settled_kib=mib * 1024,
             threads_active=threads,
             threads=threads,
             fds=20,
             peak={},
             scheduler={},
         )
-        for i, mib in enumerate(rss_mib)
+        for i, (mib, found) in enumerate(zip(rss_mib, found_mib))
     ]
 
 
@@ -28,22 +31,33 @@ def test_rss_on_a_saw_tooth_passes_though_its_last_sample_is_above_its_first():
     checked = growth(
         samples([143, 165, 212, 197, 172, 173, 171, 174, 189]), warmup=50, limit=0.1, rss_limit=0.1
     )
-    assert checked["figures"]["rss_kib"]["growth"] > 0.1
+    assert checked["figures"]["rss_settled_kib"]["growth"] > 0.1
     assert checked["rss_halves"]["growth"] < 0
+    assert checked["exceeded"] == []
+
+
+def test_freed_memory_the_allocator_keeps_is_shown_not_checked():
+    # A 260-run soak's RSS as found: +7.7 % between the halves' medians, while what the
+    # process holds once collected and trimmed stays level.
+    found = [145, 171, 218, 181, 218, 186, 195]
+    checked = growth(
+        samples([140, 141, 142, 140, 141, 142, 141], found_mib=found), warmup=10, limit=0.1, rss_limit=0.1
+    )
+    assert checked["figures"]["rss_kib"]["growth"] > 0.1
     assert checked["exceeded"] == []
 
 
 def test_rss_growing_steadily_by_half_as_much_again_as_the_limit_fails():
     # After the warm-up: 200 MiB rising steadily to 230 MiB, +15 % end to end.
     checked = growth(samples([150, 200, 205, 210, 215, 220, 225, 230]), warmup=50, limit=0.1, rss_limit=0.1)
-    assert checked["figures"]["rss_kib"]["growth"] == 0.15
-    assert checked["exceeded"] == ["rss_kib"]
+    assert checked["figures"]["rss_settled_kib"]["growth"] == 0.15
+    assert checked["exceeded"] == ["rss_settled_kib"]
 
 
 def test_with_fewer_than_four_samples_the_end_points_are_checked():
     checked = growth(samples([150, 165, 190]), warmup=50, limit=0.1, rss_limit=0.1)
     assert checked["rss_halves"] is None
-    assert checked["exceeded"] == ["rss_kib"]
+    assert checked["exceeded"] == ["rss_settled_kib"]
 
 
 def test_other_figures_are_still_checked_end_to_end():
