@@ -287,6 +287,24 @@ def keep_every_recorded_event() -> bool:
     return changed
 
 
+def sqlite_migration_heads() -> set[str]:
+    """The revisions Prefect's SQLite database is migrated to as its server starts (the
+    alembic heads of Prefect's SQLite migrations).
+
+    Read from Prefect's package layout (``server/database/_migrations``, SQLite's
+    ``versions/sqlite``), as its migration environment reads them. Public replacement: a
+    Prefect call or ``prefect server database`` command that prints the head revision
+    (its commands upgrade, downgrade and stamp, and print none).
+    """
+    from pathlib import Path
+
+    import prefect.server.database as database
+    from alembic.script import ScriptDirectory
+
+    root = Path(database.__file__).parent / "_migrations"
+    return set(ScriptDirectory(str(root), version_locations=[str(root / "versions" / "sqlite")]).get_heads())
+
+
 # -- distributed -----------------------------------------------------------------
 
 

@@ -10,16 +10,19 @@ their installed metadata, and a cluster is only asked what it has.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import re
+import sqlite3
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from dask.utils import format_bytes
 
-from prefect_gpu_dask import nvml
+from prefect_gpu_dask import _compat, nvml
 from prefect_gpu_dask.host_cluster import HostCluster, find_host_cluster
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
@@ -37,6 +40,10 @@ SQLITE_UNFIXED = (
     "'database is locked', answered 503, and Prefect's client waits 2 s or more to retry"
 )
 POSTGRES_HINT = "for a team, or many flows at once: `prefect server start` on PostgreSQL"
+# Below this a temporary server that starts beside others on a busy host, or again after
+# a migration clash, can miss its start (docs/deployments.md); Prefect's default is 20 s.
+EPHEMERAL_STARTUP_ENOUGH_S = 60
+UPGRADE_HINT = "run `prefect server database upgrade -y` once, and again after each Prefect upgrade"
 
 
 SQLITE_ELSEWHERE = (
@@ -246,7 +253,10 @@ def prefect_findings() -> list[Finding]:
 
     url = PREFECT_API_URL.value()
     if not url:
-        return [sqlite_finding("no PREFECT_API_URL: each flow run starts a temporary server of its own")]
+        return [
+            sqlite_finding("no PREFECT_API_URL: each flow run starts a temporary server of its own"),
+            *temporary_server_findings(),
+        ]
     import httpx
 
     began = time.perf_counter()
@@ -269,6 +279,75 @@ def prefect_findings() -> list[Finding]:
     if "sqlite" in driver or (not driver and not database.get("host")):
         return [sqlite_finding(f"{url} {took}", started_here=False)]
     return [Finding("Prefect API", OK, f"{url} {took}; database PostgreSQL")]
+
+
+def temporary_server_findings() -> list[Finding]:
+    """Flow runs without ``PREFECT_API_URL`` each start a temporary server on this
+    profile's database: whether several starting together (a night's scripts) each start."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+    from sqlalchemy.engine import make_url
+
+    findings = [startup_timeout_finding()]
+    url = make_url(PREFECT_API_DATABASE_CONNECTION_URL.value())
+    if url.get_backend_name() == "sqlite" and url.database:
+        findings.append(schema_finding(url.database))
+    return findings
+
+
+def startup_timeout_finding() -> Finding:
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    wait_s = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+    if wait_s >= EPHEMERAL_STARTUP_ENOUGH_S:
+        waits = f"each flow run waits up to {wait_s} s for its server to start"
+        return Finding("temporary server", OK, waits)
+    return Finding(
+        "temporary server",
+        WARN,
+        f"each flow run waits {wait_s} s for its server to start; several starting together on a busy "
+        "host, or one started again after a migration clash, can take longer, and the flow run then "
+        "fails before it begins",
+        "prefect config set PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120; or run one "
+        "`prefect server start` for them all and set PREFECT_API_URL",
+    )
+
+
+def sqlite_revision(path: str) -> str | None:
+    """The migration the SQLite database at ``path`` is at; None where there is no
+    database or none of Prefect's tables yet. Opened read-only: nothing is created."""
+    try:
+        uri = Path(path).resolve().as_uri() + "?mode=ro"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+    except (sqlite3.Error, ValueError):
+        return None
+    return row[0] if row else None
+
+
+def schema_finding(path: str) -> Finding:
+    """Whether the database is at this Prefect's latest migration. Prefect migrates it as
+    each temporary server starts, with no lock between processes: servers starting
+    together on an older or new database each migrate it, and all but one fail to start
+    (Prefect then starts them again, which takes time: ``startup_timeout_finding``)."""
+    revision = sqlite_revision(path)
+    try:
+        heads = _compat.sqlite_migration_heads()
+    except Exception as exc:  # Prefect moved its migrations: say so, nothing is wrong yet
+        return Finding("Prefect database", INFO, f"{path}: Prefect's latest migration not readable: {exc!r}")
+    if revision in heads:
+        return Finding("Prefect database", OK, f"{path} is at Prefect's latest migration ({revision})")
+    if revision is not None:
+        state = f"is at migration {revision}"
+    else:
+        state = "has no Prefect tables yet" if Path(path).exists() else "does not exist yet"
+    return Finding(
+        "Prefect database",
+        WARN,
+        f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: flow runs that start "
+        "together each migrate it as their server starts, and all but one of those servers fail their "
+        "first start",
+        UPGRADE_HINT,
+    )
 
 
 # -- clusters ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,43 @@ def test_on_a_gpu_host_it_is_ready_within_five_seconds(prefect_api):
     assert gpus and all(f["gpu_ready"] for f in gpus)
     assert {f["area"] for f in report["findings"] if f["status"] == OK} >= {"driver", "cupy", "dask-cuda"}
     assert report["seconds"] < 5
+
+
+def findings_in(home: Path, **env: str) -> dict[str, dict]:
+    report = json.loads(doctor("--json", extra_env={"PREFECT_HOME": str(home), **env}).stdout)
+    return {f["area"]: f for f in report["findings"]}
+
+
+def prefect_cli(home: Path, *args: str) -> None:
+    env = {**os.environ, "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    command = [sys.executable, "-m", "prefect", *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_database_behind_prefects_migrations_is_told_to_upgrade_before_flows_start_together(tmp_path):
+    home = tmp_path / "prefect-home"
+    found = findings_in(home)
+    database = found["Prefect database"]
+    assert database["status"] == WARN and "does not exist yet" in database["detail"], database
+    assert "prefect server database upgrade -y" in database["hint"]
+    assert not (home / "prefect.db").exists()  # read-only: the doctor creates nothing
+
+    prefect_cli(home, "server", "database", "upgrade", "-y")
+    database = findings_in(home)["Prefect database"]
+    assert database["status"] == OK and "latest migration" in database["detail"], database
+
+    # As a database last migrated by an older Prefect reads.
+    with sqlite3.connect(home / "prefect.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = 'older'")
+    database = findings_in(home)["Prefect database"]
+    assert database["status"] == WARN and "is at migration older" in database["detail"], database
+
+
+def test_prefects_twenty_seconds_for_a_temporary_server_are_flagged_as_too_short_for_a_night(tmp_path):
+    short = findings_in(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="20")["temporary server"]
+    assert short["status"] == WARN and "20 s" in short["detail"], short
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120" in short["hint"]
+    enough = findings_in(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")["temporary server"]
+    assert enough["status"] == OK, enough

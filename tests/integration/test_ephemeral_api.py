@@ -84,6 +84,69 @@ def test_a_script_ending_right_after_its_flow_run_leaves_every_task_run_recorded
     assert states == {"COMPLETED": TASKS + INNER_TASKS + 1}, proc.stderr[-4000:]
 
 
+NIGHTLY_SCRIPTS = 3
+NIGHTLY_TASKS = 100
+NIGHTLY = textwrap.dedent(
+    f"""
+    from prefect import flow, task
+
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+
+    @task(tags=["gpu"])
+    def step(i: int) -> int:
+        return i
+
+
+    @flow(task_runner=GPUDaskTaskRunner(
+        host_cluster=False,
+        cluster_kwargs={{"n_workers": 1, "threads_per_worker": 2, "resources": {{"GPU": 2}}}},
+    ))
+    def nightly() -> int:
+        return sum(f.result() for f in step.map(range({NIGHTLY_TASKS})))
+
+
+    if __name__ == "__main__":
+        assert nightly() == {sum(range(NIGHTLY_TASKS))}
+    """
+)
+
+
+def test_scripts_started_together_on_one_migrated_embedded_database_all_run_without_503s(tmp_path):
+    """A night's scripts on the README default: each starts a temporary server of its own
+    on one SQLite database, migrated beforehand as ``prefect-gpu-dask doctor`` advises."""
+    script = tmp_path / "nightly.py"
+    script.write_text(NIGHTLY)
+    home = tmp_path / "home"
+    elsewhere = ("PREFECT_API_URL", "PREFECT_API_DATABASE", "PREFECT_SERVER_DATABASE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(elsewhere)}
+    env |= {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
+    migrated = subprocess.run(upgrade, env=env, capture_output=True, text=True, timeout=180)
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(NIGHTLY_SCRIPTS)
+    ]
+    logs = [run.communicate(timeout=400)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0] * NIGHTLY_SCRIPTS, "\n".join(log[-3000:] for log in logs)
+    for log in logs:
+        # Each answer 503 is logged by the server (whose output is the script's) at ERROR.
+        for trouble in ("Encountered retryable exception in request", "database is locked"):
+            assert trouble not in log, log[-3000:]
+    with sqlite3.connect(home / "prefect.db") as db:
+        states = dict(db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type").fetchall())
+        flow_runs = db.execute("SELECT state_type FROM flow_run").fetchall()
+    assert flow_runs == [("COMPLETED",)] * NIGHTLY_SCRIPTS
+    assert states == {"COMPLETED": NIGHTLY_SCRIPTS * NIGHTLY_TASKS}
+
+
 def test_the_wait_gives_up_once_the_count_stops_rising(prefect_api, monkeypatch):
     """Task runs the server will never hold: the wait ends ``stall_s`` after the last rise
     and says how many are missing."""
