@@ -43,7 +43,8 @@ to the last one (rows per run: to the last window of the same phase) is checked 
 ``--growth-limit`` (10 %; this process's settled RSS against
 ``--rss-growth-limit``, as medians of the later and earlier halves of the samples, against
 half of it, where there are four or more: ``rss_halves``; the RSS as found is shown: it
-also holds what the allocator keeps of memory freed since the last full collection);
+also holds what the allocator keeps of memory freed since the last full collection, and
+from the second sample on it follows the collection and trim the sample before made);
 distributed's own
 subscriptions, which every departed client leaves on the scheduler, are shown, not
 checked. With ``--cluster local`` the scheduler
@@ -969,7 +970,8 @@ def print_tables(s: dict[str, Any], samples: list[Sample], failures: list[str], 
         sc = x.scheduler
         print(
             f"{x.after_runs:>5} {x.phase:<10} {x.rss_kib / 1024:>7.0f} "
-            f"{(x.rss_settled_kib or 0) / 1024:>7.0f} {x.threads_active:>4} {x.threads:>5} "
+            f"{'-' if x.rss_settled_kib is None else f'{x.rss_settled_kib / 1024:.0f}':>7} "
+            f"{x.threads_active:>4} {x.threads:>5} "
             f"{x.fds:>4} {x.peak.get('threads', 0):>8} {x.peak.get('fds', 0):>8} "
             f"{sc['scheduler_plugins']:>7} {sc['scheduler_worker_plugins']:>5} "
             f"{str(sc['scheduler_runner_clients']) + '/' + str(sc['scheduler_clients']):>15} "

@@ -40,9 +40,10 @@ SQLITE_UNFIXED = (
     "'database is locked', answered 503, and Prefect's client waits 2 s or more to retry"
 )
 POSTGRES_HINT = "for a team, or many flows at once: `prefect server start` on PostgreSQL"
-# Below this a temporary server that starts beside others on a busy host, or again after
-# a migration clash, can miss its start (docs/deployments.md); Prefect's default is 20 s.
-EPHEMERAL_STARTUP_ENOUGH_S = 60
+# Prefect's default wait for a temporary server is 20 s: too short for several starting
+# together on a busy host, or one started again after a migration clash; this one held
+# (docs/deployments.md).
+EPHEMERAL_STARTUP_ENOUGH_S = 120
 UPGRADE_HINT = "run `prefect server database upgrade -y` once, and again after each Prefect upgrade"
 
 
@@ -284,13 +285,18 @@ def prefect_findings() -> list[Finding]:
 def temporary_server_findings() -> list[Finding]:
     """Flow runs without ``PREFECT_API_URL`` each start a temporary server on this
     profile's database: whether several starting together (a night's scripts) each start."""
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-    from sqlalchemy.engine import make_url
+    try:
+        from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+        from sqlalchemy.engine import make_url
 
-    findings = [startup_timeout_finding()]
-    url = make_url(PREFECT_API_DATABASE_CONNECTION_URL.value())
-    if url.get_backend_name() == "sqlite" and url.database:
-        findings.append(schema_finding(url.database))
+        findings = [startup_timeout_finding()]
+        url = make_url(PREFECT_API_DATABASE_CONNECTION_URL.value())
+    except Exception as exc:  # a Prefect whose settings moved: say so, nothing is wrong yet
+        return [Finding("temporary server", INFO, f"Prefect's settings for it not readable: {exc!r}")]
+    database = url.database or ""
+    on_disk = database and database != ":memory:" and not database.startswith("file:")
+    if url.get_backend_name() == "sqlite" and on_disk:
+        findings.append(schema_finding(database))
     return findings
 
 
@@ -307,33 +313,43 @@ def startup_timeout_finding() -> Finding:
         f"each flow run waits {wait_s} s for its server to start; several starting together on a busy "
         "host, or one started again after a migration clash, can take longer, and the flow run then "
         "fails before it begins",
-        "prefect config set PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120; or run one "
-        "`prefect server start` for them all and set PREFECT_API_URL",
+        f"prefect config set PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={EPHEMERAL_STARTUP_ENOUGH_S}; "
+        "or run one `prefect server start` for them all and set PREFECT_API_URL",
     )
 
 
 def sqlite_revision(path: str) -> str | None:
     """The migration the SQLite database at ``path`` is at; None where there is no
-    database or none of Prefect's tables yet. Opened read-only: nothing is created."""
-    try:
-        uri = Path(path).resolve().as_uri() + "?mode=ro"
-        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
-    except (sqlite3.Error, ValueError):
+    database or none of Prefect's tables yet. Nothing is created: with no write-ahead log
+    beside it (no server has it open) it is opened as immutable, since a read-only open of
+    a database in WAL mode would leave ``-shm`` and ``-wal`` files behind, owned by
+    whoever ran this; with one, read-only, through the log's existing files, so that
+    writes still in the log are seen."""
+    file = Path(path).resolve()
+    if not file.exists():
         return None
+    mode = "ro" if Path(f"{file}-wal").exists() else "ro&immutable=1"
+    with contextlib.closing(sqlite3.connect(f"{file.as_uri()}?mode={mode}", uri=True)) as db:
+        try:
+            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                return None
+            raise
     return row[0] if row else None
 
 
 def schema_finding(path: str) -> Finding:
     """Whether the database is at this Prefect's latest migration. Prefect migrates it as
     each temporary server starts, with no lock between processes: servers starting
-    together on an older or new database each migrate it, and all but one fail to start
-    (Prefect then starts them again, which takes time: ``startup_timeout_finding``)."""
-    revision = sqlite_revision(path)
+    together on an older or new database each migrate it, and those that meet another's
+    migration fail to start (Prefect then starts them again, which takes time:
+    ``startup_timeout_finding``)."""
     try:
+        revision = sqlite_revision(path)
         heads = _compat.sqlite_migration_heads()
-    except Exception as exc:  # Prefect moved its migrations: say so, nothing is wrong yet
-        return Finding("Prefect database", INFO, f"{path}: Prefect's latest migration not readable: {exc!r}")
+    except Exception as exc:  # unreadable here, or Prefect moved its migrations: say so
+        return Finding("Prefect database", INFO, f"{path}: its migration not readable: {exc!r}")
     if revision in heads:
         return Finding("Prefect database", OK, f"{path} is at Prefect's latest migration ({revision})")
     if revision is not None:
@@ -344,8 +360,8 @@ def schema_finding(path: str) -> Finding:
         "Prefect database",
         WARN,
         f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: flow runs that start "
-        "together each migrate it as their server starts, and all but one of those servers fail their "
-        "first start",
+        "together each migrate it as their server starts, and those that meet another's migration "
+        "fail their first start",
         UPGRADE_HINT,
     )
 

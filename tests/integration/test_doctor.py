@@ -3,6 +3,7 @@ real cluster by address, and (marked gpu) on a GPU host."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -129,12 +130,18 @@ def test_a_database_behind_prefects_migrations_is_told_to_upgrade_before_flows_s
     assert not (home / "prefect.db").exists()  # read-only: the doctor creates nothing
 
     prefect_cli(home, "server", "database", "upgrade", "-y")
+    before = sorted(p.name for p in home.iterdir())
     database = findings_in(home)["Prefect database"]
     assert database["status"] == OK and "latest migration" in database["detail"], database
+    assert sorted(p.name for p in home.iterdir()) == before  # no -shm or -wal file left beside it
 
-    # As a database last migrated by an older Prefect reads.
-    with sqlite3.connect(home / "prefect.db") as db:
-        db.execute("UPDATE alembic_version SET version_num = 'older'")
+    # As a database last migrated by an older Prefect reads, with the change still in the
+    # write-ahead log (a connection holds it open, as a running server would) and after.
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
+        with db:
+            db.execute("UPDATE alembic_version SET version_num = 'older'")
+        database = findings_in(home)["Prefect database"]
+        assert database["status"] == WARN and "is at migration older" in database["detail"], database
     database = findings_in(home)["Prefect database"]
     assert database["status"] == WARN and "is at migration older" in database["detail"], database
 

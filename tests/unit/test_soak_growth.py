@@ -37,7 +37,7 @@ def test_rss_on_a_saw_tooth_passes_though_its_last_sample_is_above_its_first():
 
 
 def test_freed_memory_the_allocator_keeps_is_shown_not_checked():
-    # A 260-run soak's RSS as found: +7.7 % between the halves' medians, while what the
+    # A 260-run soak's RSS as found (+14 % between these halves' medians), while what the
     # process holds once collected and trimmed stays level.
     found = [145, 171, 218, 181, 218, 186, 195]
     checked = growth(
