@@ -416,11 +416,10 @@ def settled_rss_kib() -> int:
     library is not glibc). Freed memory the allocator keeps comes and goes with Python's
     full collections, a cycle as long as a short soak; what is left after both is what
     the process still holds."""
+    from prefect_gpu_dask.flow.heap import release_freed_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
+    release_freed_heap()
     return process_status()["rss_kib"]
 
 

@@ -60,11 +60,12 @@ SCRIPT = textwrap.dedent(
 VARIANTS = (("fresh", 20), ("fresh", 120), ("migrated", 20), ("migrated", 120))
 
 
-def trial(database: str, startup_s: int, scripts: int, tasks: int, work: Path) -> dict:
-    home = Path(tempfile.mkdtemp(dir=work))
+def script_env(home: Path, startup_s: int) -> dict[str, str]:
+    """The environment of a script on the README default with ``home`` as its Prefect
+    home: no API URL or database of another's, its server logging each 503 it answers."""
     elsewhere = ("PREFECT_API_URL", "PREFECT_API_DATABASE", "PREFECT_SERVER_DATABASE")
     env = {k: v for k, v in os.environ.items() if not k.startswith(elsewhere)}
-    env |= {
+    return env | {
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(startup_s),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -72,9 +73,18 @@ def trial(database: str, startup_s: int, scripts: int, tasks: int, work: Path) -
         "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
+
+
+def migrate(env: dict[str, str]) -> None:
+    """``prefect server database upgrade -y`` on the database ``env`` names."""
+    upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
+    subprocess.run(upgrade, env=env, capture_output=True, check=True, timeout=300)
+
+
+def trial(database: str, startup_s: int, scripts: int, tasks: int, work: Path) -> dict:
+    env = script_env(Path(tempfile.mkdtemp(dir=work)), startup_s)
     if database == "migrated":
-        upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
-        subprocess.run(upgrade, env=env, capture_output=True, check=True, timeout=300)
+        migrate(env)
     script = work / "nightly.py"
     script.write_text(SCRIPT)
     started = time.perf_counter()

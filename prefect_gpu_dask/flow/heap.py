@@ -31,6 +31,17 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
+def release_freed_heap() -> bool:
+    """Give freed heap pages back now, after any release under way; False where the C
+    library has no ``malloc_trim``."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    with _trimming:
+        trim(0)
+    return True
+
+
 def release_freed_heap_soon() -> bool:
     """Start giving freed heap pages back, unless a release is under way or the C
     library has no ``malloc_trim``. Returns whether one started."""

@@ -14,6 +14,7 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
+from benchmarks.probes import night_start
 from prefect_gpu_dask.flow import prefect_api as ephemeral
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,56 +87,22 @@ def test_a_script_ending_right_after_its_flow_run_leaves_every_task_run_recorded
 
 NIGHTLY_SCRIPTS = 3
 NIGHTLY_TASKS = 100
-NIGHTLY = textwrap.dedent(
-    f"""
-    from prefect import flow, task
-
-    from prefect_gpu_dask import GPUDaskTaskRunner
-
-
-    @task(tags=["gpu"])
-    def step(i: int) -> int:
-        return i
-
-
-    @flow(task_runner=GPUDaskTaskRunner(
-        host_cluster=False,
-        cluster_kwargs={{"n_workers": 1, "threads_per_worker": 2, "resources": {{"GPU": 2}}}},
-    ))
-    def nightly() -> int:
-        return sum(f.result() for f in step.map(range({NIGHTLY_TASKS})))
-
-
-    if __name__ == "__main__":
-        assert nightly() == {sum(range(NIGHTLY_TASKS))}
-    """
-)
 
 
 def test_scripts_started_together_on_one_migrated_embedded_database_all_run_without_503s(tmp_path):
     """A night's scripts on the README default: each starts a temporary server of its own
     on one SQLite database, migrated beforehand as ``prefect-gpu-dask doctor`` advises."""
     script = tmp_path / "nightly.py"
-    script.write_text(NIGHTLY)
+    script.write_text(night_start.SCRIPT)
     home = tmp_path / "home"
-    elsewhere = ("PREFECT_API_URL", "PREFECT_API_DATABASE", "PREFECT_SERVER_DATABASE")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(elsewhere)}
-    env |= {
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        # Each server then logs every request it answers 503 (its output is the script's).
-        "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
-    upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
-    migrated = subprocess.run(upgrade, env=env, capture_output=True, text=True, timeout=120)
-    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    env = night_start.script_env(home, startup_s=120)
+    night_start.migrate(env)
     logs = [tmp_path / f"nightly-{i}.log" for i in range(NIGHTLY_SCRIPTS)]
     runs = []
     try:
         for log in logs:
             with log.open("w") as out:  # a file, not a pipe: a chatty script never waits on its reader
-                command = [sys.executable, str(script)]
+                command = [sys.executable, str(script), str(NIGHTLY_TASKS)]
                 runs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=out))
         deadline = time.monotonic() + 200  # within the test's own timeout
         for run in runs:
