@@ -689,3 +689,19 @@ def stop_fork_server() -> None:
     import multiprocessing.forkserver
 
     multiprocessing.forkserver._forkserver._stop()
+
+
+def is_main_process() -> bool:
+    """Whether this process is a program's own, not a ``multiprocessing`` child: one
+    started, or one still running its parent's main module before its target (where a
+    flow script's module level makes a runner again).
+
+    Used to start the fork server as a flow script makes its runner, never in a worker
+    process re-running that script. Public replacement: ``multiprocessing.parent_process()``
+    alone, were it set before a child runs its parent's main module (it is set after);
+    ``_inheriting`` is what ``multiprocessing.spawn`` itself checks there.
+    """
+    import multiprocessing
+
+    inheriting = getattr(multiprocessing.current_process(), "_inheriting", False)
+    return multiprocessing.parent_process() is None and not inheriting

@@ -59,6 +59,7 @@ _fork_server_surroundings: tuple[dict[str, str], str] | None = None
 _forking_clusters = 0  # local clusters alive whose workers fork from the server
 _started_early = False  # by start_fork_server, and no cluster's workers forked from it yet
 _fork_server_cuda = False  # the server imported what CUDA workers import
+_fork_server_preload: frozenset[str] = frozenset()  # what the server imported
 _users_start_method = "spawn"  # the setting before the first of them
 
 
@@ -78,16 +79,23 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
     from, is replaced by one with it). ``preload``: what the server imports; by default
     those of ``WORKER_PRELOAD`` that this process has imported cleanly.
     """
-    global _fork_server_surroundings, _started_early, _fork_server_cuda
+    global _fork_server_surroundings, _started_early, _fork_server_cuda, _fork_server_preload
     with _fork_server_lock:
         configured = _users_start_method if _forking_clusters else dask.config.get(START_METHOD_KEY)
         if configured != "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
             return configured
+        if preload is None:
+            # Only what imported cleanly here (this package's own modules import
+            # wherever it does): one module failing in the server, with anything but
+            # ImportError, would fail every worker start.
+            preload = [name for name in WORKER_PRELOAD if name in sys.modules or _ours(name)]
         os.environ.update(_worker_environ(cuda))
         enable_proctitle_on_children()  # the Nanny sets this one before its first spawn too
         moved = _started_early and _surroundings() != _fork_server_surroundings
+        # A flow that imported dask.array after its runner started the server early.
+        lacks_modules = _started_early and not set(preload) <= _fork_server_preload
         lacks_cuda = cuda and not _fork_server_cuda and not _forking_clusters
-        if _fork_server_surroundings is not None and (moved or lacks_cuda):
+        if _fork_server_surroundings is not None and (moved or lacks_modules or lacks_cuda):
             # No worker forked from it yet, or none of a cluster still alive: a new
             # server in today's environment costs what starting it now would have.
             _started_early = False
@@ -97,11 +105,6 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
             except Exception as exc:
                 logger.debug("Could not stop the fork server: %r", exc)
         if _fork_server_surroundings is None:
-            if preload is None:
-                # Only what imported cleanly here (this package's own modules import
-                # wherever it does): one module failing in the server, with anything but
-                # ImportError, would fail every worker start.
-                preload = [name for name in WORKER_PRELOAD if name in sys.modules or _ours(name)]
             try:
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(server_preload(preload, cuda))
@@ -112,6 +115,7 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
             _fork_server_surroundings = _surroundings()
             _started_early = early
             _fork_server_cuda = cuda
+            _fork_server_preload = frozenset(preload)
         if (now := _surroundings()) == _fork_server_surroundings:
             return "forkserver"
         if not early:
@@ -129,10 +133,13 @@ def server_preload(preload: Sequence[str], cuda: bool) -> list[str]:
     return [*preload, *(CUDA_WORKER_PRELOAD if cuda else ()), FREEZE_HEAP]
 
 
-def start_fork_server(cuda: bool = False) -> None:
+def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None:
     """Start the server now, ahead of the local cluster whose workers will fork from it,
     and leave this process's environment as it was: the variables a Nanny sets before
-    its first worker start are set when that cluster starts, not before."""
+    its first worker start are set when that cluster starts, not before.
+    ``keep_running``: a server already up stays as it is, whatever it lacks."""
+    if keep_running and _fork_server_surroundings is not None:
+        return
     saved = dict(os.environ)
     try:
         worker_start_method(cuda, early=True)

@@ -193,19 +193,21 @@ def start_local_cluster(
         return stack.enter_context(cluster_class(**kwargs))
 
 
-def start_worker_processes_soon(runner: GPUDaskTaskRunner) -> None:
-    """As a flow run enters ``runner``: where its first task will start a local cluster,
-    start the fork server its workers fork from now. The server's imports then run while
-    the flow run begins and this process imports dask-cuda, not after."""
+def start_worker_processes_soon(runner: GPUDaskTaskRunner, keep_running: bool = False) -> None:
+    """Where ``runner``'s first task will start a local cluster, start the fork server its
+    workers fork from now: as the runner is made, and again as a flow run enters it
+    (``keep_running`` at the first, which replaces nothing). The server's imports then run
+    while Prefect starts its API server and the flow run begins, not after."""
     if runner._cluster is not None or runner.address or _has_default_client():
         return
     if _host_cluster(runner) is not None:
         return
     if runner.cluster_class:
         if forks_workers(runner.cluster_class, runner.cluster_kwargs):
-            forkserver.start_fork_server(is_local_cuda_cluster(runner.cluster_class))
+            cuda = is_local_cuda_cluster(runner.cluster_class)
+            forkserver.start_fork_server(cuda, keep_running=keep_running)
     elif runner.cluster_kwargs.get("processes", True):
-        forkserver.start_fork_server(default_is_cuda())
+        forkserver.start_fork_server(default_is_cuda(), keep_running=keep_running)
 
 
 def _has_default_client() -> bool:

@@ -199,10 +199,15 @@ if arguments.pop("default_client", False):  # the user's own, as in a notebook: 
 
     distributed.Client(processes=False, dashboard_address=":0")
 set_in_body = arguments.pop("set_in_body", False)
-runner = GPUDaskTaskRunner(**arguments)
+import_later = arguments.pop("import_later", None)
 environ = dict(os.environ)
+runner = GPUDaskTaskRunner(**arguments)
+made = forkserver._fork_server_surroundings is not None
+if import_later:  # as a flow script may, after it made its runner
+    __import__(import_later)
 with runner:
     report = {
+        "made": made,
         "server": forkserver._fork_server_surroundings is not None,
         "environ_kept": dict(os.environ) == environ,  # the Nanny's variables come with the cluster
         "client": runner._client is not None,
@@ -213,6 +218,8 @@ with runner:
         parents = runner.client.run(os.getppid).values()
         report["forked"] = all(parent != os.getpid() for parent in parents)
         report["seen"] = sorted(set(runner.client.run(os.environ.get, "PREFECT_GPU_DASK_TEST_MARK").values()))
+        if import_later:
+            report["imported"] = all(runner.client.run(lambda: import_later in sys.modules).values())
 print(json.dumps(report))
 """
 
@@ -227,15 +234,17 @@ print(json.dumps(report))
         ({"cluster_class": "distributed.SSHCluster"}, False),
         ({"default_client": True}, False),
         ({"cluster_kwargs": {"n_workers": 1}, "set_in_body": True}, True),
+        ({"cluster_kwargs": {"n_workers": 1}, "import_later": "dask.array"}, True),
     ],
 )
-def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_processes(
+def test_making_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_processes(
     arguments, starts, tmp_path
 ):
-    """A fresh process: its fork server starts as a flow run enters the runner, before
-    the first task starts the cluster, only where that cluster will fork workers, and
+    """A fresh process: its fork server starts as the runner is made, long before the
+    first task starts the cluster, only where that cluster will fork workers, and
     without touching the flow's environment; that cluster's workers then fork from it,
-    or from a new server where the body changed the environment before its first task."""
+    or from a new server where the body changed the environment before its first task,
+    or where the script imported ``dask.array`` after making its runner."""
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", ENTER_AND_REPORT, repr(arguments)],
@@ -246,11 +255,50 @@ def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
-    assert report["server"] is starts and report["environ_kept"] and not report["client"], report
+    assert report["made"] is report["server"] is starts, report
+    assert report["environ_kept"] and not report["client"], report
     if starts:  # a variable set in the body: the workers fork from a new server that has it
         assert report["forked"], report
         assert report["seen"] == (["set in the body"] if "set_in_body" in arguments else [None]), report
+        assert report.get("imported", True), report
         assert "Spawning" not in done.stderr
+
+
+RUNNER_AT_MODULE_LEVEL = """
+import json, multiprocessing
+from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
+
+runner = GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1})  # as a flow script makes it
+started = forkserver._fork_server_surroundings is not None
+
+
+def report_started(queue):
+    queue.put(started)  # this module's, as the child ran it
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=report_started, args=(queue,))
+    child.start()
+    print(json.dumps({"main": started, "child": queue.get(timeout=120)}))
+    child.join()
+"""
+
+
+def test_a_child_process_running_the_scripts_module_level_starts_no_fork_server(tmp_path):
+    """A spawned child (a worker among them) runs its parent's main module again, and
+    makes the runner again: only the script's own process starts the server."""
+    script = tmp_path / "flow_script.py"
+    script.write_text(RUNNER_AT_MODULE_LEVEL)
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"main": True, "child": False}
+    assert "fork server" not in done.stderr, done.stderr
 
 
 def _in_a_fresh_process(script: str) -> subprocess.CompletedProcess:
