@@ -61,6 +61,11 @@ _started_early = False  # by start_fork_server, and no cluster's workers forked 
 _fork_server_cuda = False  # the server imported what CUDA workers import
 _fork_server_preload: frozenset[str] = frozenset()  # what the server imported
 _users_start_method = "spawn"  # the setting before the first of them
+# A server started early that no cluster forked from in this long stops (a process that
+# only serves or deploys flows, which run elsewhere, makes runners too); a flow run's
+# entry into its runner starts one again.
+UNUSED_EARLY_SERVER_S = 300.0
+_unused_early_timer: threading.Timer | None = None
 
 
 def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None, early: bool = False) -> str:
@@ -138,6 +143,7 @@ def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None
     and leave this process's environment as it was: the variables a Nanny sets before
     its first worker start are set when that cluster starts, not before.
     ``keep_running``: a server already up stays as it is, whatever it lacks."""
+    global _unused_early_timer
     if keep_running and _fork_server_surroundings is not None:
         return
     saved = dict(os.environ)
@@ -147,6 +153,28 @@ def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None
         for name in os.environ.keys() - saved.keys():
             del os.environ[name]
         os.environ.update({name: value for name, value in saved.items() if os.environ.get(name) != value})
+    with _fork_server_lock:
+        if _started_early:  # counted again from each early start
+            if _unused_early_timer is not None:
+                _unused_early_timer.cancel()
+            _unused_early_timer = threading.Timer(UNUSED_EARLY_SERVER_S, _stop_unused_early_server)
+            _unused_early_timer.daemon = True
+            _unused_early_timer.start()
+
+
+def _stop_unused_early_server() -> None:
+    """Stop a server started early that no cluster has forked from since."""
+    global _fork_server_surroundings, _started_early
+    with _fork_server_lock:
+        if not _started_early or _forking_clusters or _fork_server_surroundings is None:
+            return
+        try:
+            _compat.stop_fork_server()
+        except Exception as exc:
+            logger.debug("Could not stop the unused fork server: %r", exc)
+            return
+        _fork_server_surroundings = None
+        _started_early = False
 
 
 def _worker_environ(cuda: bool) -> dict[str, str]:

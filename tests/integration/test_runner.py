@@ -301,6 +301,41 @@ def test_a_child_process_running_the_scripts_module_level_starts_no_fork_server(
     assert "fork server" not in done.stderr, done.stderr
 
 
+UNUSED_EARLY_SERVER = """
+import json, os, time
+import psutil
+from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
+
+def fork_servers():
+    children = psutil.Process().children()
+    return [c.pid for c in children if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+
+forkserver.UNUSED_EARLY_SERVER_S = 1.0
+runner = GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 1})
+report = {"made": len(fork_servers())}
+time.sleep(4)  # as in a process that serves or deploys flows, which run elsewhere
+report["unused"] = len(fork_servers())
+with runner:  # a flow run's entry starts it again; its cluster forks from it and keeps it
+    report["entered"] = len(fork_servers())
+    parents = runner.client.run(os.getppid).values()
+    report["forked"] = all(parent != os.getpid() for parent in parents)
+    time.sleep(2)
+    report["in_use"] = len(fork_servers())
+print(json.dumps(report))
+"""
+
+
+def test_a_fork_server_no_cluster_forks_from_stops(tmp_path):
+    """A process that makes runners but runs no flow keeps no idle server for long."""
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", UNUSED_EARLY_SERVER], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == {"made": 1, "unused": 0, "entered": 1, "forked": True, "in_use": 1}, report
+
+
 def _in_a_fresh_process(script: str) -> subprocess.CompletedProcess:
     """``script`` run by a new interpreter from the repository's root (``tests`` importable)."""
     return subprocess.run(
