@@ -61,11 +61,12 @@ _started_early = False  # by start_fork_server, and no cluster's workers forked 
 _fork_server_cuda = False  # the server imported what CUDA workers import
 _fork_server_preload: frozenset[str] = frozenset()  # what the server imported
 _users_start_method = "spawn"  # the setting before the first of them
-# A server started early that no cluster forked from in this long stops (a process that
-# only serves or deploys flows, which run elsewhere, makes runners too); a flow run's
-# entry into its runner starts one again.
+# A server started as a runner was made, that no cluster forked from and no flow run
+# entered a runner for in this long, stops (a process that only serves or deploys flows,
+# which run elsewhere, makes runners too); a flow run's entry starts one again.
 UNUSED_EARLY_SERVER_S = 300.0
 _unused_early_timer: threading.Timer | None = None
+_early_starts = 0  # counts early starts: a timer armed for an older one stops nothing
 
 
 def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None, early: bool = False) -> str:
@@ -77,8 +78,10 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
     server's working directory, so a variable or directory changed since the server
     started means ``spawn`` for this cluster, and a warning; unless no worker forked from
     a server started ``early`` (ahead of its cluster) yet: that one is replaced by a
-    server in today's environment. What a Nanny puts into this process's environment before its first worker
-    start goes in first, as the Nanny would: its pre-spawn variables and hash seed.
+    server in today's environment, as it is by one that imports what this process has
+    imported since (``dask.array``). A call that is not ``early`` marks the server used.
+    What a Nanny puts into this process's environment before its first worker start goes
+    in first, as the Nanny would: its pre-spawn variables and hash seed.
     ``cuda``: the cluster is a ``LocalCUDACluster``, which sets a variable of its own,
     and its workers import dask-cuda (a server without it, that no live cluster forks
     from, is replaced by one with it). ``preload``: what the server imports; by default
@@ -114,14 +117,20 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(server_preload(preload, cuda))
                 multiprocessing.forkserver.ensure_running()
-            except Exception as exc:
-                logger.warning("Could not start a fork server (%r): spawning workers", exc)
+            except Exception as exc:  # said once, by the cluster's start
+                logger.log(
+                    logging.DEBUG if early else logging.WARNING,
+                    "Could not start a fork server (%r): spawning workers",
+                    exc,
+                )
                 return configured
             _fork_server_surroundings = _surroundings()
             _started_early = early
             _fork_server_cuda = cuda
             _fork_server_preload = frozenset(preload)
         if (now := _surroundings()) == _fork_server_surroundings:
+            if not early:  # a cluster's workers fork from it now
+                _started_early = False
             return "forkserver"
         if not early:
             logger.warning(
@@ -142,8 +151,10 @@ def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None
     """Start the server now, ahead of the local cluster whose workers will fork from it,
     and leave this process's environment as it was: the variables a Nanny sets before
     its first worker start are set when that cluster starts, not before.
-    ``keep_running``: a server already up stays as it is, whatever it lacks."""
-    global _unused_early_timer
+    ``keep_running`` (as a runner is made): a server already up stays as it is, whatever
+    it lacks, and one started now stops after ``UNUSED_EARLY_SERVER_S`` unless a cluster
+    forks from it or a flow run enters a runner first (a start without it)."""
+    global _unused_early_timer, _early_starts
     if keep_running and _fork_server_surroundings is not None:
         return
     saved = dict(os.environ)
@@ -154,19 +165,23 @@ def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None
             del os.environ[name]
         os.environ.update({name: value for name, value in saved.items() if os.environ.get(name) != value})
     with _fork_server_lock:
-        if _started_early:  # counted again from each early start
-            if _unused_early_timer is not None:
-                _unused_early_timer.cancel()
-            _unused_early_timer = threading.Timer(UNUSED_EARLY_SERVER_S, _stop_unused_early_server)
+        _early_starts += 1
+        if _unused_early_timer is not None:
+            _unused_early_timer.cancel()
+            _unused_early_timer = None
+        if keep_running and _started_early:
+            _unused_early_timer = threading.Timer(
+                UNUSED_EARLY_SERVER_S, _stop_unused_early_server, args=(_early_starts,)
+            )
             _unused_early_timer.daemon = True
             _unused_early_timer.start()
 
 
-def _stop_unused_early_server() -> None:
-    """Stop a server started early that no cluster has forked from since."""
+def _stop_unused_early_server(armed_at: int) -> None:
+    """Stop a server a runner started as it was made, if nothing used it since."""
     global _fork_server_surroundings, _started_early
     with _fork_server_lock:
-        if not _started_early or _forking_clusters or _fork_server_surroundings is None:
+        if armed_at != _early_starts or not _started_early or _fork_server_surroundings is None:
             return
         try:
             _compat.stop_fork_server()
