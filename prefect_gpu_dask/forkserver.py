@@ -106,12 +106,7 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
         if _fork_server_surroundings is not None and (moved or lacks_modules or lacks_cuda):
             # No worker forked from it yet, or none of a cluster still alive: a new
             # server in today's environment costs what starting it now would have.
-            _started_early = False
-            try:
-                _compat.stop_fork_server()
-                _fork_server_surroundings = None
-            except Exception as exc:
-                logger.debug("Could not stop the fork server: %r", exc)
+            _stop_server()
         if _fork_server_surroundings is None:
             try:
                 context = multiprocessing.get_context("forkserver")
@@ -179,17 +174,21 @@ def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None
 
 def _stop_unused_early_server(armed_at: int) -> None:
     """Stop a server a runner started as it was made, if nothing used it since."""
-    global _fork_server_surroundings, _started_early
     with _fork_server_lock:
-        if armed_at != _early_starts or not _started_early or _fork_server_surroundings is None:
-            return
-        try:
-            _compat.stop_fork_server()
-        except Exception as exc:
-            logger.debug("Could not stop the unused fork server: %r", exc)
-            return
-        _fork_server_surroundings = None
-        _started_early = False
+        if armed_at == _early_starts and _started_early and _fork_server_surroundings is not None:
+            _stop_server()
+
+
+def _stop_server() -> None:
+    """Stop the server; the next start makes a new one. The caller holds the lock."""
+    global _fork_server_surroundings, _started_early
+    _started_early = False
+    try:
+        _compat.stop_fork_server()
+    except Exception as exc:
+        logger.debug("Could not stop the fork server: %r", exc)
+        return
+    _fork_server_surroundings = None
 
 
 def _worker_environ(cuda: bool) -> dict[str, str]:
