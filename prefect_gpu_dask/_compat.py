@@ -291,18 +291,71 @@ def sqlite_migration_heads() -> set[str]:
     """The revisions Prefect's SQLite database is migrated to as its server starts (the
     alembic heads of Prefect's SQLite migrations).
 
-    Read from Prefect's package layout (``server/database/_migrations``, SQLite's
-    ``versions/sqlite``), as its migration environment reads them. Public replacement: a
+    Read from Prefect's package layout (``server/database/_migrations/versions/sqlite``),
+    each migration's ``revision`` and ``down_revision`` lines as alembic writes them:
+    alembic's own ``ScriptDirectory`` would import Prefect's server and every migration,
+    which a flow script making its runner should not wait for. Public replacement: a
     Prefect call or ``prefect server database`` command that prints the head revision
     (its commands upgrade, downgrade and stamp, and print none).
     """
+    import re
     from pathlib import Path
 
-    import prefect.server.database as database
-    from alembic.script import ScriptDirectory
+    import prefect
 
-    root = Path(database.__file__).parent / "_migrations"
-    return set(ScriptDirectory(str(root), version_locations=[str(root / "versions" / "sqlite")]).get_heads())
+    versions = Path(prefect.__file__).parent / "server" / "database" / "_migrations" / "versions" / "sqlite"
+    revisions: set[str] = set()
+    replaced: set[str] = set()
+    for script in versions.glob("*.py"):
+        text = script.read_text(encoding="utf-8")
+        if found := re.search(r"^revision\s*=\s*[\"']([^\"']+)", text, re.MULTILINE):
+            revisions.add(found.group(1))
+        if found := re.search(r"^down_revision\s*=\s*(.*)$", text, re.MULTILINE):
+            replaced.update(re.findall(r"[\"']([^\"']+)[\"']", found.group(1)))
+    if not revisions - replaced:
+        raise LookupError(f"no migrations read from {versions}")
+    return revisions - replaced
+
+
+def before_ephemeral_server_starts(hook: Callable[[], object]) -> None:
+    """Have ``hook`` run in this process whenever Prefect is about to start its temporary
+    API server here (``SubprocessASGIServer.start`` on a server not running yet), before
+    the server's process starts. Public replacement: a lock across processes around the
+    migrations Prefect's server runs as it starts, or a hook before a temporary server
+    starts.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+
+    start = SubprocessASGIServer.start
+    if getattr(start, "hooked_first", None) is hook:
+        return
+
+    @functools.wraps(start)
+    def hook_then_start(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.running:
+            hook()
+        start(self, *args, **kwargs)
+
+    hook_then_start.hooked_first = hook  # type: ignore[attr-defined]
+    SubprocessASGIServer.start = hook_then_start
+
+
+def upgrade_prefect_database() -> None:
+    """``prefect server database upgrade -y`` in this process, on the database its
+    settings name, in a thread of its own (the caller may be inside an event loop).
+    Public replacement: the command itself, whose process would pay Prefect's CLI start.
+    """
+    import asyncio
+    import concurrent.futures
+
+    from prefect.server.database import provide_database_interface
+
+    async def upgrade() -> None:
+        await provide_database_interface().create_db()
+
+    settings = contextvars.copy_context()  # Prefect's settings live in context variables
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefect-database-upgrade") as pool:
+        pool.submit(settings.run, asyncio.run, upgrade()).result()
 
 
 # -- distributed -----------------------------------------------------------------

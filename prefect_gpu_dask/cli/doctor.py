@@ -10,11 +10,9 @@ their installed metadata, and a cluster is only asked what it has.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import re
-import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 from dask.utils import format_bytes
 
 from prefect_gpu_dask import _compat, nvml
+from prefect_gpu_dask.flow import embedded_database
 from prefect_gpu_dask.host_cluster import HostCluster, find_host_cluster
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
@@ -318,35 +317,15 @@ def startup_timeout_finding() -> Finding:
     )
 
 
-def sqlite_revision(path: str) -> str | None:
-    """The migration the SQLite database at ``path`` is at; None where there is no
-    database or none of Prefect's tables yet. Nothing is created: with no write-ahead log
-    beside it (no server has it open) it is opened as immutable, since a read-only open of
-    a database in WAL mode would leave ``-shm`` and ``-wal`` files behind, owned by
-    whoever ran this; with one, read-only, through the log's existing files, so that
-    writes still in the log are seen."""
-    file = Path(path).resolve()
-    if not file.exists():
-        return None
-    mode = "ro" if Path(f"{file}-wal").exists() else "ro&immutable=1"
-    with contextlib.closing(sqlite3.connect(f"{file.as_uri()}?mode={mode}", uri=True)) as db:
-        try:
-            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
-        except sqlite3.OperationalError as exc:
-            if "no such table" in str(exc):
-                return None
-            raise
-    return row[0] if row else None
-
-
 def schema_finding(path: str) -> Finding:
     """Whether the database is at this Prefect's latest migration. Prefect migrates it as
     each temporary server starts, with no lock between processes: servers starting
     together on an older or new database each migrate it, and those that meet another's
-    migration fail to start (Prefect then starts them again, which takes time:
-    ``startup_timeout_finding``)."""
+    migration fail their first start (Prefect then starts them again, which takes time:
+    ``startup_timeout_finding``). A flow run whose runner is this package's migrates it
+    first, one process at a time (``flow.embedded_database``); other flows do not."""
     try:
-        revision = sqlite_revision(path)
+        revision = embedded_database.revision(path)
         heads = _compat.sqlite_migration_heads()
     except Exception as exc:  # unreadable here, or Prefect moved its migrations: say so
         return Finding("Prefect database", INFO, f"{path}: its migration not readable: {exc!r}")
@@ -358,10 +337,11 @@ def schema_finding(path: str) -> Finding:
         state = "has no Prefect tables yet" if Path(path).exists() else "does not exist yet"
     return Finding(
         "Prefect database",
-        WARN,
-        f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: flow runs that start "
-        "together each migrate it as their server starts, and those that meet another's migration "
-        "fail their first start",
+        INFO,
+        f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: the first flow run "
+        "whose task runner is GPUDaskTaskRunner migrates it before its temporary server starts, and "
+        "flow runs started with it wait for that; flows on other task runners started together each "
+        "migrate it as their server starts, and those that meet another's migration fail their first start",
         UPGRADE_HINT,
     )
 
