@@ -317,45 +317,28 @@ def sqlite_migration_heads() -> set[str]:
     return revisions - replaced
 
 
-def before_ephemeral_server_starts(hook: Callable[[], object]) -> None:
-    """Have ``hook`` run in this process whenever Prefect is about to start its temporary
-    API server here (``SubprocessASGIServer.start`` on a server not running yet), before
-    the server's process starts. Public replacement: a lock across processes around the
-    migrations Prefect's server runs as it starts, or a hook before a temporary server
-    starts.
+def around_ephemeral_server_start(around: Callable[[], contextlib.AbstractContextManager[object]]) -> None:
+    """Have Prefect start its temporary API server in this process inside ``around()``
+    (``SubprocessASGIServer.start`` on a server not running yet: until the server
+    answers, or fails to). Public replacement: a lock across processes around the
+    migrations Prefect's server runs as it starts, or a hook around a temporary server's
+    start.
     """
     from prefect.server.api.server import SubprocessASGIServer
 
     start = SubprocessASGIServer.start
-    if getattr(start, "hooked_first", None) is hook:
+    if getattr(start, "started_inside", None) is around:
         return
 
     @functools.wraps(start)
-    def hook_then_start(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not self.running:
-            hook()
-        start(self, *args, **kwargs)
+    def start_inside(self: Any, *args: Any, **kwargs: Any) -> None:
+        if self.running:
+            return start(self, *args, **kwargs)
+        with around():
+            return start(self, *args, **kwargs)
 
-    hook_then_start.hooked_first = hook  # type: ignore[attr-defined]
-    SubprocessASGIServer.start = hook_then_start
-
-
-def upgrade_prefect_database() -> None:
-    """``prefect server database upgrade -y`` in this process, on the database its
-    settings name, in a thread of its own (the caller may be inside an event loop).
-    Public replacement: the command itself, whose process would pay Prefect's CLI start.
-    """
-    import asyncio
-    import concurrent.futures
-
-    from prefect.server.database import provide_database_interface
-
-    async def upgrade() -> None:
-        await provide_database_interface().create_db()
-
-    settings = contextvars.copy_context()  # Prefect's settings live in context variables
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefect-database-upgrade") as pool:
-        pool.submit(settings.run, asyncio.run, upgrade()).result()
+    start_inside.started_inside = around  # type: ignore[attr-defined]
+    SubprocessASGIServer.start = start_inside
 
 
 # -- distributed -----------------------------------------------------------------

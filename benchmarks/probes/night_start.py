@@ -7,14 +7,13 @@ one's start to its own end.
 
 Variants: ``fresh`` (a new database) or ``migrated`` (``prefect server database upgrade
 -y`` first, as ``prefect-gpu-dask doctor`` advises), each with Prefect's default 20 s for
-a temporary server to start or with 120 s; with ``--migrate-first both``, each trial runs
-once as the package is (the first script's process migrates a new database before its
-server starts, the others wait for it) and once with
-``PREFECT_GPU_DASK_MIGRATE_FIRST=false`` (every server migrates it as it starts), in
-turn.
+a temporary server to start or with 120 s; with ``--migration-lock both``, each trial
+runs once as the package is (one script's server migrates a new database while the
+others wait to start theirs) and once with ``PREFECT_GPU_DASK_MIGRATION_LOCK=false``
+(every server migrates it as it starts), in turn.
 
     python benchmarks/probes/night_start.py --scripts 4 --tasks 200 --trials 2 --out night.json
-    python benchmarks/probes/night_start.py --variants fresh:20 --migrate-first both --trials 3
+    python benchmarks/probes/night_start.py --variants fresh:20 --migration-lock both --trials 3
 """
 
 from __future__ import annotations
@@ -63,17 +62,17 @@ SCRIPT = textwrap.dedent(
     """
 )
 VARIANTS = "fresh:20,fresh:120,migrated:20,migrated:120"
-# What a script's process logs where it migrated the database before its server started.
-MIGRATED_FIRST = "Migrated Prefect's database"
+# What a script's process logs where its server migrated the database, holding the lock.
+MIGRATED = "Migrated Prefect's database"
 
 
-def script_env(home: Path, startup_s: int, migrate_first: bool = True) -> dict[str, str]:
+def script_env(home: Path, startup_s: int, migration_lock: bool = True) -> dict[str, str]:
     """The environment of a script on the README default with ``home`` as its Prefect
     home: no API URL or database of another's, its server logging each 503 it answers."""
     elsewhere = ("PREFECT_API_URL", "PREFECT_API_DATABASE", "PREFECT_SERVER_DATABASE")
     env = {k: v for k, v in os.environ.items() if not k.startswith(elsewhere)}
     return env | {
-        "PREFECT_GPU_DASK_MIGRATE_FIRST": str(migrate_first).lower(),
+        "PREFECT_GPU_DASK_MIGRATION_LOCK": str(migration_lock).lower(),
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(startup_s),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -89,8 +88,8 @@ def migrate(env: dict[str, str]) -> None:
     subprocess.run(upgrade, env=env, capture_output=True, check=True, timeout=300)
 
 
-def trial(database: str, startup_s: int, migrate_first: bool, scripts: int, tasks: int, work: Path) -> dict:
-    env = script_env(Path(tempfile.mkdtemp(dir=work)), startup_s, migrate_first)
+def trial(database: str, startup_s: int, migration_lock: bool, scripts: int, tasks: int, work: Path) -> dict:
+    env = script_env(Path(tempfile.mkdtemp(dir=work)), startup_s, migration_lock)
     if database == "migrated":
         migrate(env)
     script = work / "nightly.py"
@@ -125,8 +124,8 @@ def trial(database: str, startup_s: int, migrate_first: bool, scripts: int, task
     return {
         "database": database,
         "startup_timeout_s": startup_s,
-        "migrate_first": migrate_first,
-        "migrated_by_a_script": sum(MIGRATED_FIRST in log for _, _, log in ended),
+        "migration_lock": migration_lock,
+        "migrated_by_a_script": sum(MIGRATED in log for _, _, log in ended),
         "ended_0": sum(code == 0 for code, _, _ in ended),
         "timed_out_starting": sum("Timed out while attempting to connect" in log for _, _, log in ended),
         "migration_clashes": sum(any(c in log for c in MIGRATION_CLASH) for _, _, log in ended),
@@ -142,25 +141,25 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--variants", default=VARIANTS, help="database:startup seconds, comma-separated")
-    parser.add_argument("--migrate-first", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--migration-lock", choices=("on", "off", "both"), default="on")
     args = parser.parse_args()
     variants = [(name, int(seconds)) for name, seconds in (v.split(":") for v in args.variants.split(","))]
-    firsts = {"on": [True], "off": [False], "both": [False, True]}[args.migrate_first]
+    locks = {"on": [True], "off": [False], "both": [False, True]}[args.migration_lock]
     results = []
     with tempfile.TemporaryDirectory() as work:
         for database, startup_s in variants:
             for _ in range(args.trials):
-                for first in firsts:  # in turn, trial by trial
-                    results.append(trial(database, startup_s, first, args.scripts, args.tasks, Path(work)))
+                for lock in locks:  # in turn, trial by trial
+                    results.append(trial(database, startup_s, lock, args.scripts, args.tasks, Path(work)))
     print(f"# {args.scripts} scripts at once, {args.tasks} gpu-tagged task runs each, {os.cpu_count()} cores")
     print(
-        "| database | startup wait | migrated first | ended 0 | timed out starting | met a migration "
+        "| database | startup wait | migration lock | ended 0 | timed out starting | met a migration "
         "| migrated by a script | 503 | median s |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
-            f"| {r['database']} | {r['startup_timeout_s']} s | {'on' if r['migrate_first'] else 'off'} | "
+            f"| {r['database']} | {r['startup_timeout_s']} s | {'on' if r['migration_lock'] else 'off'} | "
             f"{r['ended_0']}/{args.scripts} | {r['timed_out_starting']} | {r['migration_clashes']} | "
             f"{r['migrated_by_a_script']} | {r['answers_503']} | {statistics.median(r['wall_s']):.1f} |"
         )

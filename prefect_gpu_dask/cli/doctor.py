@@ -322,8 +322,9 @@ def schema_finding(path: str) -> Finding:
     each temporary server starts, with no lock between processes: servers starting
     together on an older or new database each migrate it, and those that meet another's
     migration fail their first start (Prefect then starts them again, which takes time:
-    ``startup_timeout_finding``). A flow run whose runner is this package's migrates it
-    first, one process at a time (``flow.embedded_database``); other flows do not."""
+    ``startup_timeout_finding``). Flow runs whose runner is this package's start their
+    servers on it one at a time until it is migrated (``flow.embedded_database``); other
+    flows do not."""
     try:
         revision = embedded_database.revision(path)
         heads = _compat.sqlite_migration_heads()
@@ -338,10 +339,10 @@ def schema_finding(path: str) -> Finding:
     return Finding(
         "Prefect database",
         INFO,
-        f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: the first flow run "
-        "whose task runner is GPUDaskTaskRunner migrates it before its temporary server starts, and "
-        "flow runs started with it wait for that; flows on other task runners started together each "
-        "migrate it as their server starts, and those that meet another's migration fail their first start",
+        f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: flow runs whose task "
+        "runner is GPUDaskTaskRunner start their temporary servers on it one at a time until one has "
+        "migrated it; flows on other task runners started together each migrate it as their server "
+        "starts, and those that meet another's migration fail their first start",
         UPGRADE_HINT,
     )
 

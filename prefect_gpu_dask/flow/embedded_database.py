@@ -1,5 +1,4 @@
-"""The profile's SQLite database, migrated by one process at a time before Prefect's
-temporary servers start on it.
+"""The profile's SQLite database, migrated by one temporary Prefect server at a time.
 
 A flow run without ``PREFECT_API_URL`` starts a temporary Prefect server on the
 profile's SQLite database, and the server migrates the database as it starts. Prefect's
@@ -10,11 +9,12 @@ again, on a busy host after Prefect's wait for it has passed, so its flow run fa
 before it begins.
 
 So where a flow script's runner finds that database behind Prefect's latest migration as
-the runner is made, its process migrates the database just before Prefect starts the
-temporary server there, holding a lock on a file beside the database. Scripts started
-with it wait for that lock, find the database migrated, and start their servers side by
-side. On a migrated database, as on every other night, making the runner reads one row
-of it. ``PREFECT_GPU_DASK_MIGRATE_FIRST=false`` leaves the migrations to each server.
+the runner is made, its process holds a lock on a file beside the database while
+Prefect starts the temporary server there, and so while that server migrates it. Scripts
+started with it wait for the lock before starting theirs, find the database migrated,
+and start their servers side by side. A script alone starts its server as Prefect
+would. On a migrated database, as on every other night, making the runner reads one
+row of it. ``PREFECT_GPU_DASK_MIGRATION_LOCK=false`` leaves the servers to meet.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from prefect_gpu_dask import _compat
 
-OPT_OUT = "PREFECT_GPU_DASK_MIGRATE_FIRST"
+OPT_OUT = "PREFECT_GPU_DASK_MIGRATION_LOCK"
 LOCK_SUFFIX = ".migration-lock"
-LOCK_WAIT_S = 600.0  # a process holding it longer is stuck: its server migrates as Prefect's would
+LOCK_WAIT_S = 600.0  # a process holding it longer is stuck: this one's server migrates as Prefect's would
 LOCK_POLL_S = 0.05
 SAY_WAIT_AFTER_S = 1.0
 
@@ -40,45 +40,58 @@ SAY_WAIT_AFTER_S = 1.0
 logger = logging.getLogger("prefect.prefect_gpu_dask")
 
 
-def migrate_before_the_server_starts() -> None:
+def migrate_one_server_at_a_time() -> None:
     """As a flow script makes its runner: where the temporary server this process would
-    start would find its database behind Prefect's latest migration, migrate the
-    database in this process when Prefect is about to start that server, one process at
-    a time (``migrate_first``)."""
+    start would find its database behind Prefect's latest migration, have Prefect start
+    that server inside ``one_migration_at_a_time``."""
     if os.environ.get(OPT_OUT, "true").strip().lower() in ("0", "false", "no", "off"):
         return
     path = temporary_server_database()
     if path is not None and not is_migrated(path):
-        _compat.before_ephemeral_server_starts(migrate_first)
+        _compat.around_ephemeral_server_start(one_migration_at_a_time)
 
 
-def migrate_first() -> bool:
-    """Migrate the database Prefect's temporary server is about to start on, unless
-    another process has by the time this one holds the lock. Returns whether this
-    process migrated it."""
+@contextlib.contextmanager
+def one_migration_at_a_time() -> Iterator[bool]:
+    """Around the start of a temporary server: where its database is behind Prefect's
+    latest migration, hold the lock beside it until the server has started, and so has
+    migrated it. Yields whether this process's server migrates it; where another's did
+    meanwhile, the lock goes at once and the servers start side by side."""
     path = temporary_server_database()
-    if path is None:
-        return False
+    if path is None or is_migrated(path):
+        yield False
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.with_name(path.name + LOCK_SUFFIX)
-    try:
-        with _held(lock) as waited_s:
-            if is_migrated(path):
-                if waited_s >= SAY_WAIT_AFTER_S:
-                    logger.info("Waited %.1f s while another process migrated %s", waited_s, path)
-                return False
-            logger.info("Migrating Prefect's database %s before its temporary server starts", path)
-            started = time.monotonic()
-            _compat.upgrade_prefect_database()
-            logger.info("Migrated Prefect's database %s in %.1f s", path, time.monotonic() - started)
-            return True
-    except TimeoutError:
-        logger.warning(
-            "Another process held %s for %.0f s: Prefect's temporary server migrates the database itself",
-            lock,
-            LOCK_WAIT_S,
+    with contextlib.ExitStack() as held:
+        try:
+            waited_s = held.enter_context(_held(lock))
+        except TimeoutError:
+            logger.warning(
+                "Another process held %s for %.0f s: this temporary server migrates the database beside it",
+                lock,
+                LOCK_WAIT_S,
+            )
+            yield False
+            return
+        if is_migrated(path):
+            held.close()
+            if waited_s >= SAY_WAIT_AFTER_S:
+                logger.info("Waited %.1f s while another process's server migrated %s", waited_s, path)
+            yield False
+            return
+        logger.info(
+            "Prefect's database %s is not at this Prefect's latest migration: its temporary server "
+            "migrates it while flow runs starting beside it wait",
+            path,
         )
-        return False
+        started = time.monotonic()
+        yield True
+        logger.info(
+            "Migrated Prefect's database %s as its server started, in %.1f s",
+            path,
+            time.monotonic() - started,
+        )
 
 
 def temporary_server_database() -> Path | None:

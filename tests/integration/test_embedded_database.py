@@ -1,6 +1,6 @@
-"""The profile's SQLite database, migrated once by the first of the processes that start
-temporary servers on it together (``flow/embedded_database.py``), with real Prefect
-migrations and real processes."""
+"""The profile's SQLite database, migrated by one of the temporary servers that start on
+it together while the others wait (``flow/embedded_database.py``), with real Prefect
+servers and real processes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import prefect.server.database
 from alembic.script import ScriptDirectory
 
+from benchmarks.probes import night_start
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.flow import embedded_database
 
@@ -39,7 +40,7 @@ MAKE_A_RUNNER = textwrap.dedent(
     from prefect_gpu_dask import GPUDaskTaskRunner
 
     GPUDaskTaskRunner(cluster_kwargs={"processes": False})  # threads: no fork server to start
-    print(getattr(SubprocessASGIServer.start, "hooked_first", None) is not None)
+    print(getattr(SubprocessASGIServer.start, "started_inside", None) is not None)
     """
 )
 
@@ -64,31 +65,37 @@ def test_making_the_runner_creates_nothing_and_hooks_only_a_temporary_server_on_
     assert not (home / "prefect.db").exists()  # migrated only as a temporary server starts
 
     assert not runner_made(home, PREFECT_API_URL="http://127.0.0.1:9/api")  # no temporary server
-    assert not runner_made(home, PREFECT_GPU_DASK_MIGRATE_FIRST="false")
+    assert not runner_made(home, PREFECT_GPU_DASK_MIGRATION_LOCK="false")
     assert not (home / "prefect.db").exists()
 
 
-MIGRATE_AT = textwrap.dedent(
+START_A_SERVER_AT = textwrap.dedent(
     """
     import sys
     import time
 
+    from prefect.logging.configuration import setup_logging
+    from prefect.server.api.server import SubprocessASGIServer
+
     from prefect_gpu_dask.flow import embedded_database
 
-    start_at = float(sys.argv[1])
-    time.sleep(max(0.0, start_at - time.time()))  # all of them at once
-    print(embedded_database.migrate_first())
+    setup_logging()  # Prefect's console logging, as in a flow script
+    embedded_database.migrate_one_server_at_a_time()  # as making a runner does
+    time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # all of them at once
+    server = SubprocessASGIServer()
+    server.start(timeout=150)
+    server.stop()
     """
 )
 
 
-def test_processes_starting_together_on_a_new_database_migrate_it_once(tmp_path):
+def test_temporary_servers_starting_together_on_a_new_database_migrate_it_one_at_a_time(tmp_path):
     home = tmp_path / "home"
     env = embedded_env(home)
-    start_at = time.time() + 8  # past every process's imports, on 2 busy cores too
+    start_at = time.time() + 10  # past every process's imports, on 2 busy cores too
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", MIGRATE_AT, str(start_at)],
+            [sys.executable, "-c", START_A_SERVER_AT, str(start_at)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -96,8 +103,10 @@ def test_processes_starting_together_on_a_new_database_migrate_it_once(tmp_path)
         )
         for _ in range(3)
     ]
-    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    outputs = [p.communicate(timeout=280)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
-    answers = [o.strip().splitlines()[-1] for o in outputs]
-    assert sorted(answers) == ["False", "False", "True"], outputs  # one migrated, two waited for it
+    for output in outputs:
+        for clash in night_start.MIGRATION_CLASH:
+            assert clash not in output, output[-3000:]
+    assert sum(night_start.MIGRATED in output for output in outputs) == 1, outputs  # the others waited
     assert embedded_database.revision(home / "prefect.db") in _compat.sqlite_migration_heads()
