@@ -287,7 +287,8 @@ def keep_every_recorded_event() -> bool:
     return changed
 
 
-def sqlite_migration_heads() -> set[str]:
+@functools.cache  # read once per process: a runner is made again for every flow run
+def sqlite_migration_heads() -> frozenset[str]:
     """The revisions Prefect's SQLite database is migrated to as its server starts (the
     alembic heads of Prefect's SQLite migrations).
 
@@ -314,7 +315,7 @@ def sqlite_migration_heads() -> set[str]:
             replaced.update(re.findall(r"[\"']([^\"']+)[\"']", found.group(1)))
     if not revisions - replaced:
         raise LookupError(f"no migrations read from {versions}")
-    return revisions - replaced
+    return frozenset(revisions - replaced)
 
 
 def around_ephemeral_server_start(around: Callable[[], contextlib.AbstractContextManager[object]]) -> None:
