@@ -309,9 +309,10 @@ def sqlite_migration_heads() -> frozenset[str]:
     replaced: set[str] = set()
     for script in versions.glob("*.py"):
         text = script.read_text(encoding="utf-8")
-        if found := re.search(r"^revision\s*=\s*[\"']([^\"']+)", text, re.MULTILINE):
+        # `revision = "…"`, or with a type as newer alembic templates write it
+        if found := re.search(r"^revision\s*(?::[^=\n]*)?=\s*[\"']([^\"']+)", text, re.MULTILINE):
             revisions.add(found.group(1))
-        if found := re.search(r"^down_revision\s*=\s*(.*)$", text, re.MULTILINE):
+        if found := re.search(r"^down_revision\s*(?::[^=\n]*)?=\s*(.*)$", text, re.MULTILINE):
             replaced.update(re.findall(r"[\"']([^\"']+)[\"']", found.group(1)))
     if not revisions - replaced:
         raise LookupError(f"no migrations read from {versions}")
