@@ -13,6 +13,7 @@ import contextvars
 import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 # -- Prefect ---------------------------------------------------------------------
@@ -287,36 +288,14 @@ def keep_every_recorded_event() -> bool:
     return changed
 
 
-@functools.cache  # read once per process: a runner is made again for every flow run
-def sqlite_migration_heads() -> frozenset[str]:
-    """The revisions Prefect's SQLite database is migrated to as its server starts (the
-    alembic heads of Prefect's SQLite migrations).
-
-    Read from Prefect's package layout (``server/database/_migrations/versions/sqlite``),
-    each migration's ``revision`` and ``down_revision`` lines as alembic writes them:
-    alembic's own ``ScriptDirectory`` would import Prefect's server and every migration,
-    which a flow script making its runner should not wait for. Public replacement: a
-    Prefect call or ``prefect server database`` command that prints the head revision
-    (its commands upgrade, downgrade and stamp, and print none).
-    """
-    import re
-    from pathlib import Path
-
+def prefect_sqlite_migrations() -> Path:
+    """The folder of Prefect's SQLite migrations (alembic scripts), read from Prefect's
+    package layout without importing Prefect's server. Public replacement: a Prefect
+    call or ``prefect server database`` command that prints the head revision (its
+    commands upgrade, downgrade and stamp, and print none)."""
     import prefect
 
-    versions = Path(prefect.__file__).parent / "server" / "database" / "_migrations" / "versions" / "sqlite"
-    revisions: set[str] = set()
-    replaced: set[str] = set()
-    for script in versions.glob("*.py"):
-        text = script.read_text(encoding="utf-8")
-        # `revision = "…"`, or with a type as newer alembic templates write it
-        if found := re.search(r"^revision\s*(?::[^=\n]*)?=\s*[\"']([^\"']+)", text, re.MULTILINE):
-            revisions.add(found.group(1))
-        if found := re.search(r"^down_revision\s*(?::[^=\n]*)?=\s*(.*)$", text, re.MULTILINE):
-            replaced.update(re.findall(r"[\"']([^\"']+)[\"']", found.group(1)))
-    if not revisions - replaced:
-        raise LookupError(f"no migrations read from {versions}")
-    return frozenset(revisions - replaced)
+    return Path(prefect.__file__).parent / "server" / "database" / "_migrations" / "versions" / "sqlite"
 
 
 def around_ephemeral_server_start(around: Callable[[], contextlib.AbstractContextManager[object]]) -> None:
@@ -336,8 +315,15 @@ def around_ephemeral_server_start(around: Callable[[], contextlib.AbstractContex
     def start_inside(self: Any, *args: Any, **kwargs: Any) -> None:
         if self.running:
             return start(self, *args, **kwargs)
-        with around():
-            return start(self, *args, **kwargs)
+        with around() as migrating:
+            try:
+                return start(self, *args, **kwargs)
+            except BaseException:
+                # A server that did not answer in time may still be migrating: it must
+                # not outlive the lock (Prefect would leave it to its exit hook).
+                if migrating and self.server_process is not None and self.server_process.poll() is None:
+                    self.stop()
+                raise
 
     start_inside.started_inside = around  # type: ignore[attr-defined]
     SubprocessASGIServer.start = start_inside

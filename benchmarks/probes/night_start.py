@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from prefect_gpu_dask.flow import embedded_database
+
 ROOT = Path(__file__).resolve().parents[2]
 # What a server that met another's migration logs before it exits (alembic, SQLite).
 MIGRATION_CLASH = ("already exists", "duplicate column", "No such constraint", "expected to match one row")
@@ -63,7 +65,7 @@ SCRIPT = textwrap.dedent(
 )
 VARIANTS = "fresh:20,fresh:120,migrated:20,migrated:120"
 # What a script's process logs where its server migrated the database, holding the lock.
-MIGRATED = "Migrated Prefect's database"
+MIGRATED = embedded_database.MIGRATED
 
 
 def script_env(home: Path, startup_s: int, migration_lock: bool = True) -> dict[str, str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from prefect_gpu_dask import _compat, nvml
+from prefect_gpu_dask import nvml
 from prefect_gpu_dask.flow import embedded_database
 from prefect_gpu_dask.host_cluster import HostCluster, find_host_cluster
 from prefect_gpu_dask.resources import GPU_RESOURCE
@@ -286,16 +286,13 @@ def temporary_server_findings() -> list[Finding]:
     profile's database: whether several starting together (a night's scripts) each start."""
     try:
         from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-        from sqlalchemy.engine import make_url
 
         findings = [startup_timeout_finding()]
-        url = make_url(PREFECT_API_DATABASE_CONNECTION_URL.value())
+        database = embedded_database.sqlite_file(PREFECT_API_DATABASE_CONNECTION_URL.value())
     except Exception as exc:  # a Prefect whose settings moved: say so, nothing is wrong yet
         return [Finding("temporary server", INFO, f"Prefect's settings for it not readable: {exc!r}")]
-    database = url.database or ""
-    on_disk = database and database != ":memory:" and not database.startswith("file:")
-    if url.get_backend_name() == "sqlite" and on_disk:
-        findings.append(schema_finding(database))
+    if database is not None:
+        findings.append(schema_finding(str(database)))
     return findings
 
 
@@ -327,7 +324,7 @@ def schema_finding(path: str) -> Finding:
     flows do not."""
     try:
         revision = embedded_database.revision(path)
-        heads = _compat.sqlite_migration_heads()
+        _, heads = embedded_database.migrations()
     except Exception as exc:  # unreadable here, or Prefect moved its migrations: say so
         return Finding("Prefect database", INFO, f"{path}: its migration not readable: {exc!r}")
     if revision in heads:
@@ -336,13 +333,23 @@ def schema_finding(path: str) -> Finding:
         state = f"is at migration {revision}"
     else:
         state = "has no Prefect tables yet" if Path(path).exists() else "does not exist yet"
+    behind = f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}"
+    meet = (
+        "each migrate it as their server starts, and those that meet another's migration fail their "
+        "first start"
+    )
+    if not embedded_database.enabled():
+        return Finding(
+            "Prefect database",
+            WARN,
+            f"{behind}: flow runs that start together {meet} ({embedded_database.OPT_OUT} is off)",
+            UPGRADE_HINT,
+        )
     return Finding(
         "Prefect database",
         INFO,
-        f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}: flow runs whose task "
-        "runner is GPUDaskTaskRunner start their temporary servers on it one at a time until one has "
-        "migrated it; flows on other task runners started together each migrate it as their server "
-        "starts, and those that meet another's migration fail their first start",
+        f"{behind}: flow runs whose task runner is GPUDaskTaskRunner start their temporary servers on "
+        f"it one at a time until one has migrated it; flows on other task runners started together {meet}",
         UPGRADE_HINT,
     )
 

@@ -190,7 +190,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             except Exception as exc:  # the flow run's entry tries again
                 self.logger.debug("Could not start the worker processes' fork server early: %r", exc)
             try:
-                embedded_database.migrate_one_server_at_a_time()
+                embedded_database.lock_migrating_server_starts()
             except Exception as exc:  # Prefect's temporary server migrates its database itself
                 self.logger.debug("Could not read Prefect's database before its server starts: %r", exc)
 

@@ -128,6 +128,8 @@ def test_a_database_behind_prefects_migrations_is_told_to_upgrade_before_flows_s
     # The package's runners start their servers on it one at a time; other flows would not.
     assert database["status"] == INFO and "does not exist yet" in database["detail"], database
     assert "one at a time" in database["detail"]
+    without_the_lock = findings_in(home, PREFECT_GPU_DASK_MIGRATION_LOCK="false")["Prefect database"]
+    assert without_the_lock["status"] == WARN and "is off" in without_the_lock["detail"], without_the_lock
     assert "prefect server database upgrade -y" in database["hint"]
     assert not (home / "prefect.db").exists()  # read-only: the doctor creates nothing
 

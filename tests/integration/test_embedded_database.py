@@ -7,24 +7,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import prefect.server.database
 from alembic.script import ScriptDirectory
 
 from benchmarks.probes import night_start
-from prefect_gpu_dask import _compat
 from prefect_gpu_dask.flow import embedded_database
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_heads_read_from_prefects_migration_files_are_alembics():
+def test_the_migration_graph_read_from_prefects_scripts_is_alembics():
     root = Path(prefect.server.database.__file__).parent / "_migrations"
     alembic = ScriptDirectory(str(root), version_locations=[str(root / "versions" / "sqlite")])
-    assert _compat.sqlite_migration_heads() == set(alembic.get_heads())
+    revisions, heads = embedded_database.migrations()
+    assert heads == set(alembic.get_heads())
+    assert revisions == {s.revision for s in alembic.walk_revisions()}
 
 
 def embedded_env(home: Path, **extra: str) -> dict[str, str]:
@@ -47,7 +48,7 @@ MAKE_A_RUNNER = textwrap.dedent(
 
 def runner_made(home: Path, **extra: str) -> bool:
     """Make a runner in a fresh process; whether Prefect's temporary server would now
-    have the database migrated first."""
+    start inside the migration lock."""
     done = subprocess.run(
         [sys.executable, "-c", MAKE_A_RUNNER],
         env=embedded_env(home, **extra),
@@ -69,10 +70,11 @@ def test_making_the_runner_creates_nothing_and_hooks_only_a_temporary_server_on_
     assert not (home / "prefect.db").exists()
 
 
-START_A_SERVER_AT = textwrap.dedent(
+START_A_SERVER = textwrap.dedent(
     """
     import sys
     import time
+    from pathlib import Path
 
     from prefect.logging.configuration import setup_logging
     from prefect.server.api.server import SubprocessASGIServer
@@ -80,33 +82,73 @@ START_A_SERVER_AT = textwrap.dedent(
     from prefect_gpu_dask.flow import embedded_database
 
     setup_logging()  # Prefect's console logging, as in a flow script
-    embedded_database.migrate_one_server_at_a_time()  # as making a runner does
-    time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # all of them at once
+    embedded_database.lock_migrating_server_starts()  # as making a runner does
+    ready, everyone = Path(sys.argv[1]), int(sys.argv[2])
+    ready.touch()
+    while len(list(ready.parent.glob("ready-*"))) < everyone:  # all of them at once
+        time.sleep(0.01)
     server = SubprocessASGIServer()
-    server.start(timeout=150)
-    server.stop()
+    try:
+        server.start(timeout=float(sys.argv[3]))
+    except RuntimeError as exc:
+        print("did not start:", exc.__class__.__name__, "running" if server.server_process else "stopped")
+    else:
+        server.stop()
     """
 )
 
 
-def test_temporary_servers_starting_together_on_a_new_database_migrate_it_one_at_a_time(tmp_path):
-    home = tmp_path / "home"
+def start_servers(home: Path, count: int, timeout_s: float = 150) -> list[str]:
+    """``count`` processes that each make a runner, then start a temporary server at the
+    same moment; their outputs."""
     env = embedded_env(home)
-    start_at = time.time() + 10  # past every process's imports, on 2 busy cores too
+    barrier = Path(tempfile.mkdtemp(dir=home.parent, prefix="barrier-"))
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", START_A_SERVER_AT, str(start_at)],
+            [sys.executable, "-c", START_A_SERVER, str(barrier / f"ready-{i}"), str(count), str(timeout_s)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for _ in range(3)
+        for i in range(count)
     ]
-    outputs = [p.communicate(timeout=280)[0] for p in processes]
-    assert [p.returncode for p in processes] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    try:
+        outputs = [p.communicate(timeout=280)[0] for p in processes]
+    finally:
+        for p in processes:  # none left behind with its server, whatever happened
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in processes] == [0] * count, "\n".join(o[-2000:] for o in outputs)
+    return outputs
+
+
+def test_temporary_servers_starting_together_on_a_new_database_migrate_it_one_at_a_time(tmp_path):
+    home = tmp_path / "home"
+    outputs = start_servers(home, 3)
     for output in outputs:
         for clash in night_start.MIGRATION_CLASH:
             assert clash not in output, output[-3000:]
-    assert sum(night_start.MIGRATED in output for output in outputs) == 1, outputs  # the others waited
-    assert embedded_database.revision(home / "prefect.db") in _compat.sqlite_migration_heads()
+    assert sum(embedded_database.MIGRATED in output for output in outputs) == 1, outputs
+    assert any("while another process's server migrated" in output for output in outputs), outputs
+    assert embedded_database.migration_state(home / "prefect.db") == "latest"
+
+
+def test_a_server_that_does_not_start_in_time_is_stopped_before_the_lock_goes(tmp_path):
+    """Its migration must not run on beside the next server's; that next one migrates."""
+    home = tmp_path / "home"
+    [output] = start_servers(home, 1, timeout_s=0.5)
+    assert "did not start: RuntimeError stopped" in output, output[-3000:]
+    [output] = start_servers(home, 1)
+    assert embedded_database.MIGRATED in output, output[-3000:]
+    assert embedded_database.migration_state(home / "prefect.db") == "latest"
+
+
+def test_a_lock_that_cannot_be_had_leaves_the_server_to_start_as_prefects_would(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / f"prefect.db{embedded_database.LOCK_SUFFIX}").mkdir()  # not a file: cannot be opened as one
+    [output] = start_servers(home, 1)
+    assert "Could not lock" in output, output[-3000:]
+    assert embedded_database.migration_state(home / "prefect.db") == "latest"
