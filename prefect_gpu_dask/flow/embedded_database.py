@@ -67,8 +67,14 @@ def one_migration_at_a_time() -> Iterator[bool]:
     meanwhile, the lock goes at once and the servers start side by side. Where the lock
     cannot be had (a file system without ``flock``, a lock file not readable here), the
     server starts as Prefect's would."""
-    path = temporary_server_database()
-    if path is None or migration_state(path) != "behind":
+    path: Path | None = None
+    try:
+        path = temporary_server_database()
+        behind = path is not None and migration_state(path) == "behind"
+    except Exception as exc:  # settings not readable here: Prefect's server says what is wrong
+        logger.debug("Could not read which database the temporary server migrates: %r", exc)
+        behind = False
+    if path is None or not behind:
         yield False
         return
     lock = path.with_name(path.name + LOCK_SUFFIX)
@@ -137,7 +143,7 @@ def migration_state(path: Path) -> str:
         return "unknown"
     try:
         at = revision(path)
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, OSError) as exc:
         logger.debug("Could not read which migration %s is at: %r", path, exc)
         return "behind"
     if at in heads:
