@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from distributed.diagnostics import nvml as _dask_nvml
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.switches import switched_on
 
 
 class DeviceMemory(NamedTuple):
@@ -177,7 +178,7 @@ HOLD_GIL_ENV = "PREFECT_GPU_DASK_NVML_HOLD_GIL"
 
 
 def _hold_gil() -> bool:
-    return os.environ.get(HOLD_GIL_ENV, "true").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(HOLD_GIL_ENV)
 
 
 def _compute_processes(handle: Any) -> Sequence[Any]:

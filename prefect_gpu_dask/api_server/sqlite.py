@@ -40,10 +40,10 @@ doctor`` says so); it starts the task-run recorder after that.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.switches import switched_on
 
 OPT_OUT = "PREFECT_GPU_DASK_SQLITE_IMMEDIATE"
 RECORDER_OPT_OUT = "PREFECT_GPU_DASK_RECORDER_BATCHES"
@@ -52,7 +52,7 @@ RECORDER_FLUSH_S = 1.0  # before a failed write is tried again; Prefect reads it
 
 
 def turned_off(variable: str = OPT_OUT) -> bool:
-    return os.environ.get(variable, "true").strip().lower() in ("0", "false", "no", "off")
+    return not switched_on(variable)
 
 
 def in_server() -> bool:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefect_gpu_dask import _compat
+from prefect_gpu_dask.switches import switched_on
 
 OPT_OUT = "PREFECT_GPU_DASK_MIGRATION_LOCK"
 LOCK_SUFFIX = ".migration-lock"
@@ -56,7 +57,7 @@ def lock_migrating_server_starts() -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get(OPT_OUT, "true").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(OPT_OUT)
 
 
 @contextlib.contextmanager
