@@ -167,6 +167,17 @@ def process_pids(handle: Any) -> list[int]:
     return [proc.pid for proc in _compute_processes(handle)]
 
 
+def process_memories(handle: Any) -> dict[int, int]:
+    """Bytes each process with a context on the device holds there (-1: not attributed)."""
+    import pynvml
+
+    unknown = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+    return {
+        int(proc.pid): -1 if proc.usedGpuMemory in (None, unknown) else int(proc.usedGpuMemory)
+        for proc in _compute_processes(handle)
+    }
+
+
 _buffers = threading.local()
 PROCESS_SLOTS = 32
 # A process list takes the driver tens of microseconds (the device's memory, a few).

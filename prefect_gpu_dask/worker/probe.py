@@ -104,6 +104,9 @@ class MemoryProbe(Protocol):
     (``health.py``); without one, the worker's GPU is not health-checked. A probe that
     can say what a task did on the GPU besides memory offers ``activity_reader() ->
     ActivityReader`` (``activity.py``); without one, records carry no utilisation or energy.
+    A probe that can list every process's bytes on its GPU offers ``process_memories() ->
+    {pid: bytes}``; a cluster taking the host-wide turn on the GPU then waits for another
+    cluster's memory to come back (``host_gpu_lock.MemoryHandover``).
     """
 
     gpu: GPUIdentity
@@ -335,6 +338,11 @@ class NvmlProbe:
 
     def process_pids(self) -> list[int]:
         return nvml.process_pids(self._handle)
+
+    def process_memories(self) -> dict[int, int]:
+        """Every process's bytes on this GPU, by PID (NVML's compute-process list): what
+        a cluster taking the GPU's turn waits on (``host_gpu_lock.MemoryHandover``)."""
+        return nvml.process_memories(self._handle)
 
     def activity_reader(self) -> Any:
         """This GPU's utilisation, energy, temperature and throttling, for
