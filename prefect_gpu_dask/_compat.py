@@ -11,10 +11,31 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("prefect_gpu_dask")
+_switched_off: set[str] = set()
+
+
+def switch_off(feature: str, exc: BaseException) -> None:
+    """An upstream name this package reaches for has moved: ``feature`` runs as upstream's
+    own code would from now on in this process, said once at WARNING."""
+    if feature not in _switched_off:
+        _switched_off.add(feature)
+        logger.warning(
+            "prefect-gpu-dask: %s is off: the installed Prefect/Dask moved a private API it uses (%r)",
+            feature,
+            exc,
+        )
+
+
+def switched_off() -> frozenset[str]:
+    """The features switched off in this process (``switch_off``)."""
+    return frozenset(_switched_off)
+
 
 # -- Prefect ---------------------------------------------------------------------
 
@@ -154,179 +175,6 @@ def stop_flow_heartbeats_unjoined(where: Callable[[Any], bool]) -> None:
 
         send_heartbeats.unjoined_where = where  # type: ignore[attr-defined]
         engine._send_heartbeats = send_heartbeats
-
-
-def begin_sqlite_write_transactions_immediate() -> bool:
-    """Make the transactions Prefect's API server opens on SQLite for its writes
-    (``session_context(begin_transaction=True)``) begin IMMEDIATE, as Prefect already
-    does for those it opens ``with_for_update``. Returns whether this call changed it.
-
-    A deferred transaction that reads, then writes, fails at once ("database is locked",
-    answered 503) when another connection wrote in between: SQLite cannot wait there.
-    Begun IMMEDIATE it waits on the server's ``busy_timeout`` instead. Public
-    replacement: Prefect's SQLite configuration beginning its write transactions
-    IMMEDIATE (``AioSqliteConfiguration.begin_transaction`` sets DEFERRED unless
-    ``with_for_update``).
-    """
-    from prefect.server.database.configurations import AioSqliteConfiguration
-
-    prefect_begin = AioSqliteConfiguration.begin_transaction
-    if getattr(prefect_begin, "immediate", False):
-        return False
-
-    def begin_transaction(self: Any, session: Any, with_for_update: bool = False) -> Any:
-        return prefect_begin(self, session, with_for_update=True)
-
-    begin_transaction.immediate = True  # type: ignore[attr-defined]
-    AioSqliteConfiguration.begin_transaction = begin_transaction  # type: ignore[method-assign]
-    return True
-
-
-def default_task_run_recorder_batches(batch_size: int, flush_interval_s: float) -> bool:
-    """Give the API server's task-run recorder these batch settings where the user set
-    none (``PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE`` / ``_FLUSH_INTERVAL``).
-    Returns whether this call changed it.
-
-    Prefect's default writes each task-run event in a transaction of its own. Public
-    replacement: the settings themselves (this only changes their defaults), read by
-    ``TaskRunRecorder.service_settings`` when the service starts.
-    """
-    from prefect.server.services.task_run_recorder import TaskRunRecorder
-
-    if getattr(TaskRunRecorder.service_settings, "batch_defaults", None) is not None:
-        return False
-    prefect_settings = TaskRunRecorder.service_settings
-    defaults = {"batch_size": batch_size, "flush_interval": flush_interval_s}
-
-    def service_settings(cls: Any) -> Any:
-        settings = prefect_settings()
-        unset = {name: value for name, value in defaults.items() if name not in settings.model_fields_set}
-        return settings.model_copy(update=unset) if unset else settings
-
-    service_settings.batch_defaults = defaults  # type: ignore[attr-defined]
-    TaskRunRecorder.service_settings = classmethod(service_settings)  # type: ignore[method-assign,assignment]
-    return True
-
-
-def write_task_run_events_as_they_come(make_consumer: Callable[..., Any]) -> bool:
-    """Give the API server's task-run recorder the message handler ``make_consumer``
-    makes (``api_server.recorder.consumer``), fed Prefect's own filter and bulk write.
-    Returns whether this call changed it.
-
-    ``TaskRunRecorder.start`` enters ``task_run_recorder.consumer(write_batch_size,
-    flush_every, max_persist_retries)``, whose batches wait for their size or the flush
-    interval. Public replacement: a recorder setting to write whenever it is idle.
-    """
-    import prefect.server.services.task_run_recorder as recorder
-    from prefect.server.events.schemas.events import ReceivedEvent
-
-    if getattr(recorder.consumer, "writes_as_they_come", False):
-        return False
-
-    def recorded(message: Any) -> Any:
-        # Prefect's filter, from its consumer's message handler.
-        event = ReceivedEvent.model_validate_json(message.data)
-        if not event.event.startswith("prefect.task-run"):
-            return None
-        if event.resource.get("prefect.orchestration") != "client":
-            return None
-        return event
-
-    def consumer(
-        write_batch_size: int,
-        flush_every: int,
-        max_persist_retries: int = recorder.DEFAULT_PERSIST_MAX_RETRIES,
-    ) -> Any:
-        return make_consumer(
-            write_batch_size,
-            flush_every,
-            max_persist_retries,
-            recorded=recorded,
-            write=recorder.record_bulk_task_run_events,
-        )
-
-    consumer.writes_as_they_come = True  # type: ignore[attr-defined]
-    recorder.consumer = consumer
-    return True
-
-
-def keep_every_recorded_event() -> bool:
-    """Let the subscriptions of the task-run recorder and the event persister to Prefect's
-    in-memory message broker grow instead of dropping events when they are 10,000
-    behind. Returns whether this call changed them.
-
-    Each subscription's queue is ``asyncio.Queue(maxsize=10000)`` and a full one drops
-    the message ("Subscription queue is full, dropping message"): for the recorder, a
-    task run's state that never reaches the database; for the persister, an event the
-    UI's event feed never shows. Public replacement: back-pressure in
-    ``prefect.server.utilities.messaging.memory.Subscription.deliver`` (or a setting for
-    its queue size).
-    """
-    import asyncio
-
-    import prefect.server.events.services.event_persister as persister
-    import prefect.server.services.task_run_recorder as recorder
-
-    changed = False
-    for service in (recorder, persister):
-        prefect_create_consumer = service.create_consumer
-        if getattr(prefect_create_consumer, "keeps_every_event", False):
-            continue
-
-        def create_consumer(*args: Any, _prefect: Any = prefect_create_consumer, **kwargs: Any) -> Any:
-            consumer = _prefect(*args, **kwargs)
-            subscription = getattr(consumer, "subscription", None)  # the in-memory broker's only
-            queue = getattr(subscription, "_queue", None)
-            # Swapped before the event loop runs again, so before any message reaches it.
-            if isinstance(queue, asyncio.Queue) and queue.maxsize and queue.empty():
-                subscription._queue = asyncio.Queue()
-            return consumer
-
-        create_consumer.keeps_every_event = True  # type: ignore[attr-defined]
-        service.create_consumer = create_consumer
-        changed = True
-    return changed
-
-
-def prefect_sqlite_migrations() -> Path:
-    """The folder of Prefect's SQLite migrations (alembic scripts), read from Prefect's
-    package layout without importing Prefect's server. Public replacement: a Prefect
-    call or ``prefect server database`` command that prints the head revision (its
-    commands upgrade, downgrade and stamp, and print none)."""
-    import prefect
-
-    return Path(prefect.__file__).parent / "server" / "database" / "_migrations" / "versions" / "sqlite"
-
-
-def around_ephemeral_server_start(around: Callable[[], contextlib.AbstractContextManager[object]]) -> None:
-    """Have Prefect start its temporary API server in this process inside ``around()``
-    (``SubprocessASGIServer.start`` on a server not running yet: until the server
-    answers, or fails to). Public replacement: a lock across processes around the
-    migrations Prefect's server runs as it starts, or a hook around a temporary server's
-    start.
-    """
-    from prefect.server.api.server import SubprocessASGIServer
-
-    start = SubprocessASGIServer.start
-    if getattr(start, "started_inside", None) is around:
-        return
-
-    @functools.wraps(start)
-    def start_inside(self: Any, *args: Any, **kwargs: Any) -> None:
-        if self.running:
-            return start(self, *args, **kwargs)
-        with around() as migrating:
-            try:
-                return start(self, *args, **kwargs)
-            except BaseException:
-                # A server that did not answer in time may still be migrating: it must
-                # not outlive the lock (Prefect would leave it to its exit hook).
-                if migrating and self.server_process is not None and self.server_process.poll() is None:
-                    self.stop()
-                raise
-
-    start_inside.started_inside = around  # type: ignore[attr-defined]
-    SubprocessASGIServer.start = start_inside
 
 
 # -- distributed -----------------------------------------------------------------
@@ -471,12 +319,16 @@ async def add_worker_resources(dask_worker: Any, resources: dict[str, float]) ->
     (``Scheduler.add_resources``) zeroes those counts: a worker labelled while a ``gpu``
     task runs there would end with ``GPU`` used at -1, and take two ``gpu`` tasks at once.
     """
-    state = dask_worker.state
+    try:
+        state = dask_worker.state
+        available, total = state.available_resources, state.total_resources
+    except AttributeError as exc:
+        switch_off("keeping resource counts while labelling a worker", exc)
+        await dask_worker.set_resources(**resources)
+        return
     for name, amount in resources.items():
-        state.available_resources[name] = (
-            state.available_resources.get(name, 0) + amount - state.total_resources.get(name, 0)
-        )
-        state.total_resources[name] = amount
+        available[name] = available.get(name, 0) + amount - total.get(name, 0)
+        total[name] = amount
     await run_on_scheduler_from_worker(
         dask_worker, set_worker_resources, worker=dask_worker.contact_address, resources=dict(resources)
     )

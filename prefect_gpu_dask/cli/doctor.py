@@ -15,76 +15,32 @@ import importlib.util
 import re
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from dask.utils import format_bytes
 
 from prefect_gpu_dask import nvml
-from prefect_gpu_dask.flow import embedded_database
 from prefect_gpu_dask.host_cluster import HostCluster, find_host_cluster
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 CONNECT_TIMEOUT_S = 3
-# What `gpu`-tagged tasks cost on Prefect's SQLite server (docs/performance.md).
-SQLITE_FIXED = (
-    "gpu-tagged task runs whose tags have no limit do not write to it, and its writes wait "
-    "for the lock instead of failing (prefect-gpu-dask's server plugin: 1,000 gpu-tagged tasks "
-    "took 1.38x as long as untagged, no 503 answers, one H100, 2026-11-24), and it records task runs "
-    "in batches, dropping none when it falls behind; one writer at a time"
-)
-SQLITE_UNFIXED = (
-    "prefect-gpu-dask's server plugin is off ({why}): writes that meet another one fail with "
-    "'database is locked', answered 503, and Prefect's client waits 2 s or more to retry"
-)
 POSTGRES_HINT = "for a team, or many flows at once: `prefect server start` on PostgreSQL"
 # Prefect's default wait for a temporary server is 20 s: too short for several starting
 # together on a busy host, or one started again after a migration clash; this one held
 # (docs/deployments.md).
 EPHEMERAL_STARTUP_ENOUGH_S = 120
-UPGRADE_HINT = "run `prefect server database upgrade -y` once, and again after each Prefect upgrade"
 
 
-SQLITE_ELSEWHERE = (
-    "its writes wait for the lock instead of failing only where prefect-gpu-dask is installed "
-    "in the server's environment (this shell cannot see it); elsewhere writes that meet another "
-    "one fail with 'database is locked', answered 503, and Prefect's client waits 2 s or more"
+SQLITE_NOTE = (
+    "one writer at a time: flow runs and their task runs that write at once wait for each "
+    "other (Prefect retries a 'database is locked' answer 503)"
 )
 
 
-def sqlite_finding(where: str, started_here: bool = True) -> Finding:
-    """The Prefect API on SQLite: fine for one host while the server plugin is on, as this
-    package's entry points and this shell's environment say for a server started from
-    here; a running server's own environment is not visible from here."""
-    if not started_here:
-        return Finding(
-            "Prefect API",
-            WARN,
-            f"{where}; its database is SQLite: " + SQLITE_ELSEWHERE,
-            "install prefect-gpu-dask in the server's environment; " + POSTGRES_HINT,
-        )
-    from importlib.metadata import entry_points
-
-    from prefect.settings import PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION
-
-    from prefect_gpu_dask.api_server.sqlite import OPT_OUT, turned_off
-
-    plugins = {e.value for e in entry_points(group="prefect.collections")}
-    if "prefect_gpu_dask.api_server.sqlite" not in plugins:
-        why = "the package's entry points are not installed: pip install it"
-    elif turned_off():
-        why = f"{OPT_OUT} is set"
-    elif not PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION.value():
-        why = "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION is off: Prefect's server then loads no collections"
-    else:
-        return Finding("Prefect API", OK, f"{where}; its database is SQLite: " + SQLITE_FIXED, POSTGRES_HINT)
-    return Finding(
-        "Prefect API",
-        WARN,
-        f"{where}; its database is SQLite: " + SQLITE_UNFIXED.format(why=why),
-        f"unset {OPT_OUT}; " + POSTGRES_HINT,
-    )
+def sqlite_finding(where: str) -> Finding:
+    """The Prefect API on SQLite: fine for one host's nightly flows, not for many at once."""
+    return Finding("Prefect API", INFO, f"{where}; its database is SQLite: {SQLITE_NOTE}", POSTGRES_HINT)
 
 
 @dataclass(frozen=True)
@@ -277,7 +233,7 @@ def prefect_findings() -> list[Finding]:
     database = (settings.get("server") or {}).get("database") or {}
     driver = database.get("driver") or ""
     if "sqlite" in driver or (not driver and not database.get("host")):
-        return [sqlite_finding(f"{url} {took}", started_here=False)]
+        return [sqlite_finding(f"{url} {took}")]
     return [Finding("Prefect API", OK, f"{url} {took}; database PostgreSQL")]
 
 
@@ -285,15 +241,9 @@ def temporary_server_findings() -> list[Finding]:
     """Flow runs without ``PREFECT_API_URL`` each start a temporary server on this
     profile's database: whether several starting together (a night's scripts) each start."""
     try:
-        from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
-        findings = [startup_timeout_finding()]
-        database = embedded_database.sqlite_file(PREFECT_API_DATABASE_CONNECTION_URL.value())
-    except Exception as exc:  # a Prefect whose settings moved: say so, nothing is wrong yet
+        return [startup_timeout_finding()]
+    except ImportError as exc:  # a Prefect whose settings moved: say so, nothing is wrong yet
         return [Finding("temporary server", INFO, f"Prefect's settings for it not readable: {exc!r}")]
-    if database is not None:
-        findings.append(schema_finding(str(database)))
-    return findings
 
 
 def startup_timeout_finding() -> Finding:
@@ -311,46 +261,6 @@ def startup_timeout_finding() -> Finding:
         "fails before it begins",
         f"prefect config set PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={EPHEMERAL_STARTUP_ENOUGH_S}; "
         "or run one `prefect server start` for them all and set PREFECT_API_URL",
-    )
-
-
-def schema_finding(path: str) -> Finding:
-    """Whether the database is at this Prefect's latest migration. Prefect migrates it as
-    each temporary server starts, with no lock between processes: servers starting
-    together on an older or new database each migrate it, and those that meet another's
-    migration fail their first start (Prefect then starts them again, which takes time:
-    ``startup_timeout_finding``). Flow runs whose runner is this package's start their
-    servers on it one at a time until it is migrated (``flow.embedded_database``); other
-    flows do not."""
-    try:
-        revision = embedded_database.revision(path)
-        _, heads = embedded_database.migrations()
-    except Exception as exc:  # unreadable here, or Prefect moved its migrations: say so
-        return Finding("Prefect database", INFO, f"{path}: its migration not readable: {exc!r}")
-    if revision in heads:
-        return Finding("Prefect database", OK, f"{path} is at Prefect's latest migration ({revision})")
-    if revision is not None:
-        state = f"is at migration {revision}"
-    else:
-        state = "has no Prefect tables yet" if Path(path).exists() else "does not exist yet"
-    behind = f"{path} {state}, this Prefect's latest is {', '.join(sorted(heads))}"
-    meet = (
-        "each migrate it as their server starts, and those that meet another's migration fail their "
-        "first start"
-    )
-    if not embedded_database.enabled():
-        return Finding(
-            "Prefect database",
-            WARN,
-            f"{behind}: flow runs that start together {meet} ({embedded_database.OPT_OUT} is off)",
-            UPGRADE_HINT,
-        )
-    return Finding(
-        "Prefect database",
-        INFO,
-        f"{behind}: flow runs whose task runner is GPUDaskTaskRunner start their temporary servers on "
-        f"it one at a time until one has migrated it; flows on other task runners started together {meet}",
-        UPGRADE_HINT,
     )
 
 

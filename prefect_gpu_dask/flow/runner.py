@@ -26,10 +26,10 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.client import PrefectDaskClient
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from prefect_gpu_dask._compat import current_worker, is_main_process, stop_flow_heartbeats_unjoined
+from prefect_gpu_dask._compat import current_worker, stop_flow_heartbeats_unjoined
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
-from prefect_gpu_dask.flow import embedded_database, reporting
+from prefect_gpu_dask.flow import reporting
 from prefect_gpu_dask.flow.heap import release_freed_heap_soon
 from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
@@ -182,17 +182,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         # distributed.admin.low-level-log-length), a cost that grows with the cluster's age.
         self._heard: list[TaskRecord] = []
         self._made_cluster = False  # a cluster this runner built closes with the flow
-        if current_worker() is None and is_main_process():
-            # A flow script makes its runner as it defines the flow, seconds before the
-            # flow run enters it: the workers' imports run meanwhile, beside Prefect's.
-            try:
-                clusters.start_worker_processes_soon(self, keep_running=True)
-            except Exception as exc:  # the flow run's entry tries again
-                self.logger.debug("Could not start the worker processes' fork server early: %r", exc)
-            try:
-                embedded_database.lock_migrating_server_starts()
-            except Exception as exc:  # Prefect's temporary server migrates its database itself
-                self.logger.debug("Could not read Prefect's database before its server starts: %r", exc)
 
     # -- settings round-trip ------------------------------------------------------
     def _arguments(self) -> dict[str, Any]:

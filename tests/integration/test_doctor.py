@@ -3,17 +3,14 @@ real cluster by address, and (marked gpu) on a GPU host."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from prefect_gpu_dask.api_server.sqlite import OPT_OUT
 from prefect_gpu_dask.cli.doctor import FAIL, INFO, OK, WARN, Diagnosis, Finding, _built_for
 from tests.conftest import has_gpu
 
@@ -44,8 +41,7 @@ def test_a_host_without_a_gpu_is_not_ready_and_is_told_why(prefect_api):
     report = json.loads(doctor("--json", api=prefect_api).stdout)
     assert report["ready"] is False and report["seconds"] < 5
     api = next(f for f in report["findings"] if f["area"] == "Prefect API")
-    # A running server's environment is not visible from here.
-    assert api["status"] == WARN and "SQLite" in api["detail"] and "cannot see" in api["detail"]
+    assert api["status"] == INFO and "SQLite" in api["detail"] and "one writer at a time" in api["detail"]
     assert api["hint"] and "PostgreSQL" in api["hint"]
 
 
@@ -54,11 +50,10 @@ def prefect_api_finding(**env: str) -> dict:
     return next(f for f in report["findings"] if f["area"] == "Prefect API")
 
 
-def test_the_embedded_server_is_ok_while_the_server_plugin_is_on():
-    api = prefect_api_finding()  # no PREFECT_API_URL: the flow run's own server, from here
-    assert api["status"] == OK and "server plugin" in api["detail"], api
-    api = prefect_api_finding(**{OPT_OUT: "false"})
-    assert api["status"] == WARN and OPT_OUT in api["detail"] and "503" in api["detail"], api
+def test_the_embedded_server_is_named_sqlite_with_its_postgres_hint():
+    api = prefect_api_finding()  # no PREFECT_API_URL: the flow run's own server
+    assert api["status"] == INFO and "temporary server" in api["detail"] and "SQLite" in api["detail"], api
+    assert "PostgreSQL" in api["hint"]
 
 
 def test_a_cluster_with_a_gpu_worker_is_ready_one_without_is_not(dask_processes, prefect_api):
@@ -111,43 +106,6 @@ def test_on_a_gpu_host_it_is_ready_within_five_seconds(prefect_api):
 def findings_in(home: Path, **env: str) -> dict[str, dict]:
     report = json.loads(doctor("--json", extra_env={"PREFECT_HOME": str(home), **env}).stdout)
     return {f["area"]: f for f in report["findings"]}
-
-
-def prefect_cli(home: Path, *args: str) -> None:
-    env = {**os.environ, "PREFECT_HOME": str(home)}
-    env.pop("PREFECT_API_URL", None)
-    command = [sys.executable, "-m", "prefect", *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_a_database_behind_prefects_migrations_is_told_to_upgrade_before_flows_start_together(tmp_path):
-    home = tmp_path / "prefect-home"
-    found = findings_in(home)
-    database = found["Prefect database"]
-    # The package's runners start their servers on it one at a time; other flows would not.
-    assert database["status"] == INFO and "does not exist yet" in database["detail"], database
-    assert "one at a time" in database["detail"]
-    without_the_lock = findings_in(home, PREFECT_GPU_DASK_MIGRATION_LOCK="false")["Prefect database"]
-    assert without_the_lock["status"] == WARN and "is off" in without_the_lock["detail"], without_the_lock
-    assert "prefect server database upgrade -y" in database["hint"]
-    assert not (home / "prefect.db").exists()  # read-only: the doctor creates nothing
-
-    prefect_cli(home, "server", "database", "upgrade", "-y")
-    before = sorted(p.name for p in home.iterdir())
-    database = findings_in(home)["Prefect database"]
-    assert database["status"] == OK and "latest migration" in database["detail"], database
-    assert sorted(p.name for p in home.iterdir()) == before  # no -shm or -wal file left beside it
-
-    # As a database last migrated by an older Prefect reads, with the change still in the
-    # write-ahead log (a connection holds it open, as a running server would) and after.
-    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
-        with db:
-            db.execute("UPDATE alembic_version SET version_num = 'older'")
-        database = findings_in(home)["Prefect database"]
-        assert database["status"] == INFO and "is at migration older" in database["detail"], database
-    database = findings_in(home)["Prefect database"]
-    assert database["status"] == INFO and "is at migration older" in database["detail"], database
 
 
 def test_prefects_twenty_seconds_for_a_temporary_server_are_flagged_as_too_short_for_a_night(tmp_path):

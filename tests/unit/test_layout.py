@@ -2,8 +2,7 @@
 
 ``prefect_gpu_dask/flow/`` runs in the flow process, ``scheduler/`` on the Dask
 scheduler, ``worker/`` in a Dask worker (and its nanny), ``cli/`` in the operator's
-terminal (the ``prefect-gpu-dask`` command, and the host cluster it runs),
-``api_server/`` in Prefect's API server (which loads it as a collection); the modules
+terminal (the ``prefect-gpu-dask`` command, and the host cluster it runs); the modules
 at the top are what more than one of them needs. The rules, over every import in the package (those
 inside functions too; ``if TYPE_CHECKING:`` blocks, which never run, aside):
 
@@ -14,8 +13,7 @@ inside functions too; ``if TYPE_CHECKING:`` blocks, which never run, aside):
 3. A module imports from its own folder and from the top only. A top-level module
    imports nothing from ``flow/``, ``scheduler/`` or ``worker/``.
 4. ``cli/`` is a client of the cluster as the flow is, and starts a cluster as the
-   runner does: it may import ``flow/``; its doctor reads the server plugin's switch
-   from ``api_server/``. ``__main__`` (``python -m prefect_gpu_dask``)
+   runner does: it may import ``flow/``. ``__main__`` (``python -m prefect_gpu_dask``)
    imports the command from ``cli/``.
 5. The one exception is what a process ships to another one to run there: a plugin it
    registers, a function for ``client.run`` / ``run_on_scheduler``, a wrapper that
@@ -36,9 +34,9 @@ import prefect_gpu_dask
 
 ROOT = Path(prefect_gpu_dask.__file__).parent
 PACKAGE = "prefect_gpu_dask"
-PROCESSES = ("flow", "scheduler", "worker", "cli", "api_server")
+PROCESSES = ("flow", "scheduler", "worker", "cli")
 # importing folder (None: the top) -> folders it may import besides its own and the top
-CLIENTS = {"cli": {"flow", "api_server"}}
+CLIENTS = {"cli": {"flow"}}
 ENTRY = {"__main__": {"cli"}}
 
 # importing module -> {source module: names it ships to the source's process}
@@ -104,7 +102,7 @@ def _short(module: str) -> str:
 
 
 def _folder(module: str) -> str | None:
-    """``flow``, ``scheduler``, ``worker``, ``cli`` or ``api_server``; None for the top (shared) modules."""
+    """``flow``, ``scheduler``, ``worker`` or ``cli``; None for the top (shared) modules."""
     first = _short(module).split(".")[0]
     return first if first in PROCESSES else None
 
