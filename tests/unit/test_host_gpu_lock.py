@@ -13,7 +13,7 @@ import pytest
 
 from prefect_gpu_dask.private_dir import DIRECTORY_ENV, SharedDirectoryError, private_directory
 from prefect_gpu_dask.worker import host_gpu_lock
-from prefect_gpu_dask.worker.host_gpu_lock import HostGPUClaim
+from prefect_gpu_dask.worker.host_gpu_lock import HandoverWait, HostGPUClaim, MemoryHandover
 
 UUID = "GPU-test-0000"
 
@@ -174,3 +174,178 @@ def test_a_new_directory_is_private(tmp_path, monkeypatch):
     assert path.stat().st_mode & 0o777 == 0o700
     with pytest.raises(ValueError, match="cannot name a lock file"):
         HostGPUClaim("../x", "tcp://127.0.0.1:1", directory=path)
+
+
+# -- the hand-over: the memory goes with the turn ------------------------------------
+
+GiB = 2**30
+OWN = 100  # the taker's PID in scripted process lists
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def scripted_handover(*lists: dict[int, int], **kwargs) -> tuple[MemoryHandover, FakeClock, list[int]]:
+    """A hand-over reading ``lists`` in order (the last repeats), on a fake clock."""
+    clock, reads = FakeClock(), []
+
+    def read() -> dict[int, int]:
+        reads.append(1)
+        return lists[min(len(reads) - 1, len(lists) - 1)]
+
+    handover = MemoryHandover(
+        read, own_pid=OWN, allowance=GiB, poll_s=0.1, clock=clock, sleep=clock.sleep, **kwargs
+    )
+    return handover, clock, reads
+
+
+def test_a_gpu_nobody_else_fills_is_taken_at_once():
+    # this process's own memory, contexts within the allowance, unattributed memory: no wait
+    handover, _, reads = scripted_handover({OWN: 60 * GiB, 7: GiB // 2, 8: GiB, 9: -1})
+    assert handover.wait() == HandoverWait(0.0, 0, 0, "free")
+    assert len(reads) == 1
+
+
+def test_the_taker_waits_until_another_process_gives_its_memory_back():
+    filled = {OWN: GiB // 2, 7: 49 * GiB}
+    handover, clock, reads = scripted_handover(filled, filled, {OWN: GiB // 2, 7: GiB // 2})
+    wait = handover.wait()
+    assert wait.outcome == "free" and wait.left == 0 and wait.pids == ()
+    assert wait.held == 48 * GiB  # beyond the allowance
+    assert wait.waited_s == pytest.approx(0.2) and len(reads) == 3
+
+
+def test_memory_that_stops_coming_back_is_waited_for_briefly_and_once():
+    steady = {OWN: 0, 7: 20 * GiB}
+    handover, clock, _ = scripted_handover(steady, steady_s=1.0, timeout_s=30)
+    wait = handover.wait()
+    assert wait.outcome == "steady" and wait.pids == (7,) and wait.left == 19 * GiB
+    assert 1.0 <= wait.waited_s <= 1.2
+    # next hand-over: the same memory is not waited for again...
+    assert handover.wait() == HandoverWait(0.0, 0, 0, "free")
+    # ...unless that process grows past it
+    assert handover.filling({OWN: 0, 7: 30 * GiB}) == {7: 29 * GiB}
+
+
+def test_memory_still_falling_is_waited_for_up_to_the_bound():
+    falling = [{7: (80 - i) * GiB} for i in range(1000)]
+    handover, _, _ = scripted_handover(*falling, steady_s=1.0, timeout_s=5.0)
+    wait = handover.wait()
+    assert wait.outcome == "timeout" and 5.0 <= wait.waited_s <= 5.2
+    assert wait.left < wait.held
+
+
+def test_a_probe_that_fails_never_fails_the_task(caplog):
+    def broken() -> dict[int, int]:
+        raise OSError("NVML went away")
+
+    wait = MemoryHandover(broken, own_pid=OWN).wait()
+    assert wait.outcome == "unread" and wait.waited_s == 0.0
+    assert "Could not list the processes on the GPU" in caplog.text
+
+
+class PooledProcess:
+    """A worker process of another cluster on a scripted GPU: a finished task's memory
+    stays in its pool until it flushes."""
+
+    PID = 7
+
+    def __init__(self, pooled: int, frees: bool = True):
+        self.pooled = pooled
+        self.frees = frees
+        self.flushed_at: float | None = None
+
+    def flush(self) -> None:
+        self.flushed_at = time.monotonic()
+        if self.frees:
+            self.pooled = 0
+
+    def process_memories(self) -> dict[int, int]:
+        return {self.PID: GiB // 2 + self.pooled}
+
+
+def _take_turn(claim: HostGPUClaim, got: list) -> None:
+    with claim.hold() as waited:
+        got.append((time.monotonic(), waited))
+
+
+def test_the_giver_flushes_its_pools_before_the_taker_enters(tmp_path):
+    giver_process = PooledProcess(pooled=48 * GiB)
+    giver = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path, flush=giver_process.flush)
+    handover = MemoryHandover(giver_process.process_memories, own_pid=OWN)
+    taker = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path, handover=handover)
+    got: list = []
+    with giver.hold():
+        thread = threading.Thread(target=_take_turn, args=(taker, got))
+        thread.start()
+        time.sleep(0.3)  # the taker asks meanwhile
+        assert not got and giver_process.flushed_at is None  # no flush while the task runs
+    thread.join(30)
+    [(entered, waited)] = got
+    assert giver_process.flushed_at is not None and giver_process.flushed_at < entered
+    assert waited.handover == HandoverWait(0.0, 0, 0, "free")  # nothing left to wait for
+
+
+def test_a_lingering_turn_is_flushed_and_given_up_as_soon_as_another_cluster_asks(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_gpu_lock, "LINGER_S", 60.0)
+    giver_process = PooledProcess(pooled=48 * GiB)
+    giver = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path, flush=giver_process.flush)
+    taker = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path)
+    with giver.hold():
+        pass
+    assert taker.in_use_elsewhere()  # lingering, nobody asked: the pool stays warm
+    assert giver_process.flushed_at is None
+    with taker.hold() as waited:
+        assert waited < 10  # not the linger's 60 s
+        assert giver_process.flushed_at is not None
+
+
+def test_the_taker_waits_for_memory_a_flush_did_not_give_back_then_starts(tmp_path, monkeypatch, caplog):
+    giver_process = PooledProcess(pooled=48 * GiB, frees=False)  # say, arrays still alive
+    giver = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path, flush=giver_process.flush)
+    handover = MemoryHandover(giver_process.process_memories, own_pid=OWN, steady_s=0.3)
+    taker = HostGPUClaim(UUID, "tcp://127.0.0.1:2", directory=tmp_path, handover=handover)
+    with giver.hold():
+        pass
+    caplog.set_level("INFO", logger=host_gpu_lock.__name__)
+    with taker.hold() as waited:
+        wait = waited.handover
+    assert wait.outcome == "steady" and wait.pids == (PooledProcess.PID,) and wait.left == 47 * GiB
+    assert waited >= wait.waited_s >= 0.3
+    assert "waiting for 47.00 GiB held by process(es) [7]" in caplog.text
+
+
+def test_no_hand_over_while_the_turn_stays_with_one_cluster(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_gpu_lock, "LINGER_S", 0.0)
+    reads: list[int] = []
+    handover = MemoryHandover(lambda: reads.append(1) or {}, own_pid=OWN)
+    claim = HostGPUClaim(UUID, "tcp://127.0.0.1:1", directory=tmp_path, handover=handover)
+    with claim.hold() as first:
+        assert first.handover is not None  # the first entry: nobody said whose turn it was
+    deadline = time.monotonic() + 30
+    while claim.in_use_elsewhere() or claim._fd is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with claim.hold() as again:  # the gate was dropped and entered again: still this cluster's turn
+        assert again.handover is None
+    assert len(reads) == 1
+
+
+def test_claims_read_other_processes_through_the_probe(monkeypatch):
+    from prefect_gpu_dask.worker.guard import release_allocator_caches
+
+    monkeypatch.setattr(host_gpu_lock, "_claims", {})
+    probe = PooledProcess(pooled=0)
+    claim = host_gpu_lock.claim_for(UUID, "tcp://127.0.0.1:9", probe)
+    assert claim._flush is release_allocator_caches
+    assert claim._handover is not None and claim._handover._read == probe.process_memories
+    assert host_gpu_lock.claim_for(UUID, "tcp://127.0.0.1:9", probe) is claim
+    assert host_gpu_lock.claim_for(UUID, "tcp://127.0.0.1:8", object())._handover is None
