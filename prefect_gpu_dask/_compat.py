@@ -94,12 +94,14 @@ def tag_slot_requests_where(needed: Callable[[list[str]], bool]) -> Iterator[Non
     for tags without a limit (the engine calls its module-level
     ``_concurrency``/``_aconcurrency`` for every task run).
     """
-    _install_tag_slot_gate()
+    installed = _install_tag_slot_gate()
     token = _TAG_SLOTS_NEEDED.set(needed)
     try:
         yield
     finally:
         _TAG_SLOTS_NEEDED.reset(token)
+        if installed:
+            _uninstall_tag_slot_gate()
 
 
 def tag_limit_memory_s() -> float:
@@ -114,67 +116,123 @@ def tag_limit_memory_s() -> float:
     return float(getattr(cache, "ttl", 5.0))
 
 
-def _install_tag_slot_gate() -> None:
+_tag_gate_users = 0
+_engine_concurrency: tuple[Any, Any] | None = None
+
+
+def _install_tag_slot_gate() -> bool:
+    """Gate the engine's tag-slot requests while any task run of this process is inside
+    ``tag_slot_requests_where``; the engine's own functions come back as the last leaves.
+    False (and the engine left as it is) where they moved."""
+    global _tag_gate_users, _engine_concurrency
     import prefect.task_engine as engine
 
     with _tag_gate_lock:
-        if getattr(engine._concurrency, "gated", False):
+        if _tag_gate_users == 0:
+            try:
+                originals = (engine._concurrency, engine._aconcurrency)
+            except AttributeError as exc:
+                switch_off("skipping tag-slot requests for tags without a limit", exc)
+                return False
+            _engine_concurrency = originals
+            engine._concurrency, engine._aconcurrency = _gated(*originals)
+        _tag_gate_users += 1
+        return True
+
+
+def _uninstall_tag_slot_gate() -> None:
+    global _tag_gate_users, _engine_concurrency
+    import prefect.task_engine as engine
+
+    with _tag_gate_lock:
+        _tag_gate_users -= 1
+        if _tag_gate_users == 0 and _engine_concurrency is not None:
+            engine._concurrency, engine._aconcurrency = _engine_concurrency
+            _engine_concurrency = None
+
+
+def _gated(engine_concurrency: Any, engine_aconcurrency: Any) -> tuple[Any, Any]:
+    def skip(names: Any) -> bool:
+        needed = _TAG_SLOTS_NEEDED.get()
+        return needed is not None and not needed(list(names))
+
+    @contextlib.contextmanager
+    def concurrency(names: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+        if names and skip(names):
+            yield
             return
-        engine_concurrency, engine_aconcurrency = engine._concurrency, engine._aconcurrency
+        with engine_concurrency(names, *args, **kwargs):
+            yield
 
-        def skip(names: Any) -> bool:
-            needed = _TAG_SLOTS_NEEDED.get()
-            return needed is not None and not needed(list(names))
+    @contextlib.asynccontextmanager
+    async def aconcurrency(names: Any, *args: Any, **kwargs: Any) -> AsyncIterator[None]:
+        if names and skip(names):
+            yield
+            return
+        async with engine_aconcurrency(names, *args, **kwargs):
+            yield
 
-        @contextlib.contextmanager
-        def concurrency(names: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
-            if names and skip(names):
-                yield
-                return
-            with engine_concurrency(names, *args, **kwargs):
-                yield
-
-        @contextlib.asynccontextmanager
-        async def aconcurrency(names: Any, *args: Any, **kwargs: Any) -> AsyncIterator[None]:
-            if names and skip(names):
-                yield
-                return
-            async with engine_aconcurrency(names, *args, **kwargs):
-                yield
-
-        concurrency.gated = aconcurrency.gated = True  # type: ignore[attr-defined]
-        engine._concurrency, engine._aconcurrency = concurrency, aconcurrency
+    return concurrency, aconcurrency
 
 
-_heartbeat_gate_lock = threading.Lock()
+class _EventsClientOfTheCurrentAPI:
+    """``EventsWorker._client_override`` read at each ``EventsWorker.instance()``: a
+    Prefect server's events client for the API URL of the caller's settings, so the
+    events worker's key holds that URL. ``None`` (Prefect's own choice) for Prefect
+    Cloud, whose client Prefect keys on its URL already, and where no URL is set."""
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        from prefect.events.clients import PrefectEventsClient
+        from prefect.events.worker import emit_events_to_cloud
+        from prefect.settings import PREFECT_API_URL
+
+        url = PREFECT_API_URL.value()
+        if not url or not isinstance(url, str) or emit_events_to_cloud():
+            return None
+        return (PrefectEventsClient, (("api_url", url),))
 
 
-def stop_flow_heartbeats_unjoined(where: Callable[[Any], bool]) -> None:
-    """From now on, the flow engine leaves the heartbeat thread of a flow run whose
-    ``where(flow.task_runner)`` holds to end by itself instead of joining it.
+_events_lock = threading.Lock()
+_events_users = 0
 
-    The thread sleeps in whole seconds and reads its stop flag between them, so the
-    join holds every flow run's end for up to a second after its last task. Unjoined,
-    the thread still stops at its next flag check and emits nothing more, as it does
-    under Prefect's async engine (``join_on_exit=False``). Public replacement: the
-    heartbeat thread waiting on its stop event (``stop_event.wait(1)``) instead of
-    ``time.sleep(1)`` in ``prefect.flow_engine._send_heartbeats``.
+
+@contextlib.contextmanager
+def events_per_api_url() -> Iterator[None]:
+    """While any thread of this process is inside, Prefect's ``EventsWorker.instance()``
+    gives one events worker per API URL, as ``APILogWorker.instance()`` does; Prefect's
+    own choice comes back as the last one leaves. Left as it is where another override
+    is set (Prefect's process pool sets one in its processes).
+
+    Prefect keys the events worker of a Prefect server on nothing of the server's. In a
+    Dask worker process serving flow runs that report to different APIs (each its own
+    temporary server, on a shared cluster), the first flow run's events worker would
+    send every later flow run's task-run events to the first one's API, and the later
+    flow runs' own servers would record none of their task runs. Public replacement:
+    ``EventsWorker.instance()`` keying a server's events client on its API URL.
     """
-    import prefect.flow_engine as engine
+    global _events_users
+    from prefect.events.worker import EventsWorker
 
-    with _heartbeat_gate_lock:
-        if getattr(engine._send_heartbeats, "unjoined_where", None) is not None:
-            return
-        prefect_send_heartbeats = engine._send_heartbeats
+    counted = False
+    with _events_lock:
+        current = EventsWorker.__dict__.get("_client_override", KeyError)
+        if current is KeyError:
+            switch_off("one events worker per API URL", KeyError("EventsWorker._client_override"))
+        elif current is None or current is _EVENTS_OVERRIDE:
+            EventsWorker._client_override = _EVENTS_OVERRIDE  # type: ignore[assignment]
+            _events_users += 1
+            counted = True
+    try:
+        yield
+    finally:
+        if counted:
+            with _events_lock:
+                _events_users -= 1
+                if _events_users == 0 and EventsWorker.__dict__.get("_client_override") is _EVENTS_OVERRIDE:
+                    EventsWorker._client_override = None
 
-        def send_heartbeats(flow_engine: Any, join_on_exit: bool = True) -> Any:
-            flow = getattr(flow_engine, "flow", None)
-            if join_on_exit and flow is not None and where(getattr(flow, "task_runner", None)):
-                join_on_exit = False
-            return prefect_send_heartbeats(flow_engine, join_on_exit=join_on_exit)
 
-        send_heartbeats.unjoined_where = where  # type: ignore[attr-defined]
-        engine._send_heartbeats = send_heartbeats
+_EVENTS_OVERRIDE = _EventsClientOfTheCurrentAPI()
 
 
 # -- distributed -----------------------------------------------------------------

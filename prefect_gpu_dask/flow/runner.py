@@ -26,7 +26,7 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.client import PrefectDaskClient
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from prefect_gpu_dask._compat import current_worker, stop_flow_heartbeats_unjoined
+from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
@@ -439,8 +439,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         super().__enter__()
         if current_worker() is None:  # a worker's engine enters a copy per task run
             self._on_ephemeral_api = share_ephemeral_api(self._exit_stack)
-            # The flow run's end need not wait out its heartbeat thread's sleep.
-            stop_flow_heartbeats_unjoined(_is_gpu_dask_runner)
             try:
                 clusters.start_worker_processes_soon(self)
             except Exception as exc:  # the first task starts it, or reports why it cannot
@@ -477,6 +475,3 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 if ran_flow:
                     release_freed_heap_soon()
 
-
-def _is_gpu_dask_runner(task_runner: Any) -> bool:
-    return isinstance(task_runner, GPUDaskTaskRunner)

@@ -7,7 +7,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 from distributed import Client
 from prefect import flow, tags, task
 from prefect.states import State
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_dask import GPUDaskTaskRunner, MissingResourceError, forkserver
 from prefect_gpu_dask.flow import routing
@@ -725,60 +723,6 @@ def test_a_cluster_passed_in_is_the_one_the_flow_uses():
         name, scheduler = on_given_cluster()
         assert scheduler == cluster.scheduler_address
         assert name in {w.name for w in cluster.workers.values()}
-
-
-def _is_heartbeat_loop(target: object) -> bool:
-    return getattr(target, "__qualname__", "").endswith("heartbeat_loop")
-
-
-def _new_heartbeat_threads(before: set[int]) -> list[int]:
-    """The ``id()``s of the heartbeat threads of Prefect's flow engine
-    (``_send_heartbeats``' ``heartbeat_loop``) started since ``before``. Not idents: a
-    thread that ended during the run may hand its ident on to the heartbeat thread, while
-    the caller holds the threads of ``before``, so no new thread can take one's ``id()``."""
-    return [
-        id(thread)
-        for thread in threading.enumerate()
-        if id(thread) not in before and any(_is_heartbeat_loop(arg) for arg in getattr(thread, "_args", ()))
-    ]
-
-
-def _heartbeat_alive_at_return(flow_fn, seen: list) -> bool:
-    """Whether the heartbeat thread of a run of ``flow_fn`` (which adds what
-    ``_new_heartbeat_threads`` finds to ``seen``) was still running when the call
-    returned; then waits for it to stop by itself."""
-    before = threading.enumerate()
-    seen[:] = [{id(thread) for thread in before}]
-    flow_fn()
-    (heartbeat_id,) = seen[1:]
-    heartbeat = next((t for t in threading.enumerate() if id(t) == heartbeat_id), None)
-    if heartbeat is None:
-        return False
-    alive = heartbeat.is_alive()
-    heartbeat.join(timeout=3)
-    assert not heartbeat.is_alive(), "the heartbeat thread did not stop after its flow run"
-    return alive
-
-
-def test_a_flow_runs_end_does_not_wait_for_its_heartbeat_thread(remote_cluster):
-    """Prefect's heartbeat thread sleeps in whole seconds between checks of its stop flag;
-    joined, it holds a flow run's end for up to one. A flow on this runner returns while
-    it may still sleep; one on another runner, in the same process, still joins it."""
-    seen: list = []  # the threads before the call, then the run's heartbeat thread
-
-    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
-    def on_this_runner():
-        seen.extend(_new_heartbeat_threads(seen[0]))
-        return interval.submit(0).result()
-
-    @flow(task_runner=ThreadPoolTaskRunner())
-    def on_the_thread_pool():
-        seen.extend(_new_heartbeat_threads(seen[0]))
-        return interval.submit(0).result()
-
-    # A run's end may fall just before the thread's next check: allow a few tries.
-    assert any(_heartbeat_alive_at_return(on_this_runner, seen) for _ in range(10))
-    assert not any(_heartbeat_alive_at_return(on_the_thread_pool, seen) for _ in range(3))
 
 
 def flow_run_settings_built() -> list[str]:
