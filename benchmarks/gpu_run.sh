@@ -85,13 +85,8 @@ if [[ $PHASES == *flows* ]]; then
 fi
 if [[ $PHASES == *probes* ]]; then
   step 120 "$OUT/probe-first-use.txt" python3 benchmarks/probes/library_first_use.py --out "$OUT/first-use.json"
-  step 120 "$OUT/probe-flow-end.txt" sh -c 'exec python3 benchmarks/probes/flow_end.py 2>/dev/null'
   step 120 "$OUT/probe-cold-start.txt" sh -c \
     'for i in 1 2 3; do PREFECT_HOME=$(mktemp -d) python3 benchmarks/probes/cold_start.py 2>/dev/null; done'
-  step 240 "$OUT/probe-tagged-path-raw.txt" sh -c 'exec python3 benchmarks/probes/tagged_path.py 1000 30 2>/dev/null'
-  filtered "$OUT/probe-tagged-path-raw.txt" "$OUT/probe-tagged-path.txt" grep -v "| INFO"
-  step 240 "$OUT/probe-console-lines.txt" sh -c 'exec python3 benchmarks/probes/console_lines.py --tasks 1000 \
-    --task-rounds 3 --out "$1/console-lines.json" 2>/dev/null' _ "$OUT"
   tail -n 12 "$OUT"/probe-*.txt
 fi
 if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator's commands
