@@ -135,10 +135,14 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
 @contextmanager
 def _in_flow_run(settings: SettingsContext, clients: SyncClientContext) -> Iterator[None]:
     """A flow run's settings and client as this thread's context. Set on the context
-    variables directly: one object serves all worker threads."""
+    variables directly: one object serves all worker threads. Its events go to its own
+    API: flow runs sharing this worker may each report to an API of their own, and
+    Prefect's events worker would otherwise send them all to the first one's
+    (``_compat.events_per_api_url``)."""
     settings_reset, clients_reset = _SETTINGS.set(settings), _CLIENTS.set(clients)
     try:
-        yield
+        with _compat.events_per_api_url():
+            yield
     finally:
         _CLIENTS.reset(clients_reset)
         _SETTINGS.reset(settings_reset)
