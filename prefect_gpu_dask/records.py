@@ -95,6 +95,7 @@ class TaskRecord:
     temperature_peak_c: int | None = None
     throttle_reasons: tuple[str, ...] = ()  # clock slowdowns seen while it ran (sw_power_cap, ...)
     flow_name: str | None = None  # the flow's name: a bounded label for metrics per flow
+    allocator: str | None = None  # whose counters judged it: rmm | cupy | torch, joined by "+"
 
     def to_event(self) -> dict[str, Any]:
         """Plain data for ``Worker.log_event`` (msgpack-friendly)."""

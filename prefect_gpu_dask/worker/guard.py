@@ -52,6 +52,7 @@ from prefect_gpu_dask.worker.probe import (
     MemoryProbe,
     MemorySample,
     allocator_reader,
+    enable_rmm_statistics,
     process_sampler,
     with_allocators,
     worker_probe,
@@ -84,8 +85,7 @@ def release_allocator_caches() -> None:
     torch = _compat.imported_module("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    # RMM pools cannot shrink; a worker running on an RMM pool is judged after the
-    # re-sample only, and its pool size belongs in leak_threshold.
+    # RMM pools are not flushed: their reservation counts as cached (probe.RmmCounters).
 
 
 _no_cuda_library = False
@@ -216,11 +216,18 @@ class GPUMemoryGuard(WorkerPlugin):
         # secedes (worker_client) is replaced, and the new one may get a dead one's
         # ident while its handles are new.
         self._grew: dict[tuple[str | None, threading.Thread], _Allowance] = {}
+        # Guarded tasks running now, and those that ran beside another: RMM's (and the
+        # pools') counters are the process's, so only a task that ran alone is judged by
+        # them alone (``verdict.judge``).
+        self._running: set[int] = set()
+        self._beside: set[int] = set()
+        self._running_lock: threading.Lock | None = None  # made in setup: the plugin is pickled
 
     # -- WorkerPlugin -------------------------------------------------------------
     async def setup(self, worker: Any) -> None:
         self.worker = worker
         self._follow_lock = threading.Lock()
+        self._running_lock = threading.Lock()
         try:
             self.probe = worker_probe(worker, self.settings.memory_probe)
         except Exception as exc:  # NVML present but unusable: guard off, worker fine
@@ -232,6 +239,7 @@ class GPUMemoryGuard(WorkerPlugin):
         # The CUDA context is created lazily by the first guarded task (begin()): a
         # worker that never runs one pays nothing, and the cluster starts faster.
         self.recycling = WorkerRecycling(worker, self.settings.restart)
+        self._count_rmm()  # dask-cuda's RMM setup (rmm_pool_size, rmm_async) ran before
         await self.recycling.wait_for_predecessor(self.probe)  # a replacement: the old memory goes first
         cuda_context.then(self._take_baseline)  # with the context, where it is still in the making
         # Before a task only ``judged`` counts (the device-wide figures come after it).
@@ -245,6 +253,15 @@ class GPUMemoryGuard(WorkerPlugin):
         serve_gauges(self)
         self._watch_health(worker, self.settings.health_check_s)
         self._health_asked = self.health is not None
+
+    def _count_rmm(self) -> None:
+        """RMM's statistics on, where this worker has RMM loaded (never imported here)."""
+        if _compat.imported_module("rmm") is None:
+            return
+        try:
+            enable_rmm_statistics()
+        except Exception as exc:  # RMM unusable: the driver's figures still judge
+            logger.warning("RMM statistics could not be enabled on %s: %s", self.worker.address, exc)
 
     def _take_baseline(self) -> None:
         self.baseline = self.probe.sample()
@@ -320,6 +337,7 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def begin(self) -> tuple[int, MemorySample, float]:
         ticket = next(self._tickets)
+        self._count_rmm()  # RMM loaded by a task since (cuDF), or its resource replaced
         # A context still in the making is the process's, not the task's.
         if not cuda_context.wait(cuda_context.MOST_WAIT_S):
             logger.warning(
@@ -331,6 +349,11 @@ class GPUMemoryGuard(WorkerPlugin):
             before = self._read_process()  # the context is the process's, not the task's
             self.context_bytes = max(before.process, 0)
         before = with_allocators(before, self._read_allocators())
+        with self._running_lock:
+            if self._running:
+                self._beside.update(self._running)
+                self._beside.add(ticket)
+            self._running.add(ticket)
         self._sampler.start(ticket, before.judged)
         if self._activity is not None:
             self._activity.start(ticket)
@@ -362,6 +385,10 @@ class GPUMemoryGuard(WorkerPlugin):
         self.tasks_run += 1
         self._tasks_of[flow_run_id] += 1
         key = (task, threading.current_thread())
+        with self._running_lock:
+            self._running.discard(ticket)
+            alone = ticket not in self._beside
+            self._beside.discard(ticket)
         then = self._grew.get(key)
         used = threads or {key[1]}  # ``task_threads.recording`` starts with the task's own thread
         verdict = verdict_for(
@@ -377,6 +404,7 @@ class GPUMemoryGuard(WorkerPlugin):
             oom=oom,
             replacement_bytes=self.context_bytes,  # a replacement makes its own context
             sample=self._read_after,
+            alone=alone,
         )
         if verdict.status == LIBRARY:
             self._grew[key] = _Allowance(_pool_threads(), then.used.union(used) if then else frozenset(used))
@@ -385,6 +413,10 @@ class GPUMemoryGuard(WorkerPlugin):
 
     def abandon(self, ticket: int) -> None:
         """Stop watching the peak of a task whose judgement failed."""
+        if self._running_lock is not None:
+            with self._running_lock:
+                self._running.discard(ticket)
+                self._beside.discard(ticket)
         if self._sampler is not None:
             self._sampler.stop(ticket, 0)
         if self._activity is not None:
@@ -491,6 +523,7 @@ def build_record(
         time=time.time(),
         oom_requested=verdict.oom.requested if verdict.oom else None,
         oom_library=verdict.oom.library if verdict.oom else None,
+        allocator=verdict.after.allocator,
         gpu_share=share,
         gpu_seconds=None if share is None else round(duration * share, 6),
         **(_activity_fields(activity) if activity is not None else {}),

@@ -25,8 +25,9 @@ class MemorySample(NamedTuple):
     process: int  # -1 when the driver cannot attribute memory per process
     device_used: int
     device_total: int
-    cached: int = 0  # free blocks held by allocator pools (CuPy, torch) in this process
+    cached: int = 0  # free blocks held by allocator pools (CuPy, torch, RMM) in this process
     owned: int | None = None  # bytes those allocators hand out (None: no allocator to ask)
+    allocator: str | None = None  # whose figures those are: "rmm", "cupy", "torch", "rmm+cupy"...
 
     @property
     def judged(self) -> int:
@@ -48,6 +49,88 @@ class AllocatorBytes(NamedTuple):
 
     cached: int = 0  # free blocks pools keep for reuse
     owned: int | None = None  # blocks handed out and not yet freed: memory a task still holds
+    allocator: str | None = None  # whose figures: "rmm", "cupy", "torch", joined by "+"
+
+
+class RmmCounters:
+    """RMM's figures in this process: what its current device resource hands out, and
+    what its pool holds beyond that (``(owned, cached)``), or None where RMM's
+    statistics are off (the current resource is no ``StatisticsResourceAdaptor``).
+
+    ``owned`` is the adaptor's ``current_bytes`` (``rmm.statistics``): every allocation
+    through RMM since statistics were enabled, cuDF's and ``rmm_cupy_allocator``'s
+    included. The pool's reservation is ``cached``, never the task's: a
+    ``PoolMemoryResource``'s ``pool_size()`` less ``owned``; a ``CudaAsyncMemoryResource``
+    keeps what it once handed out (RMM sets no release threshold), so its reservation is
+    at least the adaptor's ``peak_bytes``, less ``owned``. Other resources cache nothing.
+    """
+
+    def __init__(self, rmm: Any):
+        self._mr = rmm.mr
+        self._resource: Any = None
+        self._pool: Any = None
+        self._async = False
+
+    def __call__(self) -> tuple[int, int] | None:
+        mr = self._mr.get_current_device_resource()
+        if not isinstance(mr, self._mr.StatisticsResourceAdaptor):
+            return None
+        if mr is not self._resource:
+            self._pool, self._async = _pool_under(self._mr, mr)
+            self._resource = mr
+        counts = mr.allocation_counts
+        owned = int(counts.current_bytes)
+        if self._pool is not None:
+            return owned, max(int(self._pool.pool_size()) - owned, 0)
+        if self._async:
+            return owned, max(int(counts.peak_bytes) - owned, 0)
+        return owned, 0
+
+
+def _pool_under(mr_module: Any, mr: Any) -> tuple[Any, bool]:
+    """The ``PoolMemoryResource`` under the adaptors ``mr`` stacks (tracking, limiting,
+    logging), or whether a ``CudaAsyncMemoryResource`` is there instead."""
+    seen = 0
+    while mr is not None and seen < 16:
+        if isinstance(mr, mr_module.PoolMemoryResource):
+            return mr, False
+        if isinstance(mr, mr_module.CudaAsyncMemoryResource):
+            return None, True
+        get_upstream = getattr(mr, "get_upstream", None)
+        mr = get_upstream() if get_upstream is not None else None
+        seen += 1
+    return None, False
+
+
+_rmm_counters: RmmCounters | None = None
+
+
+def rmm_counters() -> RmmCounters | None:
+    """This process's ``RmmCounters``, where RMM is imported (never imports it)."""
+    global _rmm_counters
+    if _rmm_counters is None:
+        rmm = _compat.imported_module("rmm")
+        if rmm is None:
+            return None
+        _rmm_counters = RmmCounters(rmm)
+    return _rmm_counters
+
+
+def enable_rmm_statistics() -> bool:
+    """Turn RMM's statistics on in this process, where RMM is already imported (a
+    dask-cuda worker with ``rmm_pool_size`` or ``rmm_async``, or a task that imported
+    cuDF or RMM); never imports RMM. ``rmm.statistics.enable_statistics`` puts a
+    ``StatisticsResourceAdaptor`` on top of the current device resource (idempotent):
+    allocations made before it keep their resource and are not counted. Returns whether
+    statistics are on."""
+    counters = rmm_counters()
+    if counters is None:
+        return False
+    if counters() is not None:
+        return True
+    statistics = importlib.import_module("rmm.statistics")  # rmm itself is loaded
+    statistics.enable_statistics()
+    return counters() is not None
 
 
 def loaded_allocator_bytes() -> AllocatorBytes:
@@ -55,29 +138,32 @@ def loaded_allocator_bytes() -> AllocatorBytes:
 
     Never imports anything: a library that is not imported holds nothing, and one that
     another thread is still importing holds nothing yet. RMM counts only where its
-    statistics are enabled (``rmm.statistics``).
+    statistics are enabled (``enable_rmm_statistics``). An allocator is named once it
+    holds memory (CuPy routed through RMM, ``rmm_cupy_allocator``, leaves CuPy's pool
+    empty: RMM alone is named).
     """
-    cached, owned = 0, None
+    cached, owned, names = 0, None, []
+    counters = rmm_counters()
+    rmm = counters() if counters is not None else None
+    if rmm is not None:
+        owned, cached = rmm
+        names.append("rmm")
     cupy = _compat.imported_module("cupy")
     if cupy is not None:
         pool = cupy.get_default_memory_pool()
-        used = pool.used_bytes()
-        cached += pool.total_bytes() - used
-        owned = used
+        used, total = pool.used_bytes(), pool.total_bytes()
+        cached += total - used
+        owned = (owned or 0) + used
+        if total:
+            names.append("cupy")
     torch = _compat.imported_module("torch")
     if torch is not None and torch.cuda.is_initialized():
-        allocated = torch.cuda.memory_allocated()
-        cached += torch.cuda.memory_reserved() - allocated
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        cached += reserved - allocated
         owned = (owned or 0) + allocated
-    statistics = getattr(_compat.imported_module("rmm"), "statistics", None)
-    if statistics is not None:
-        try:
-            stats = statistics.get_statistics()
-        except Exception:  # statistics not enabled: RMM cannot say
-            stats = None
-        if stats is not None:
-            owned = (owned or 0) + int(stats.current_bytes)
-    return AllocatorBytes(cached, owned)
+        if reserved:
+            names.append("torch")
+    return AllocatorBytes(cached, owned, "+".join(names) or None)
 
 
 @dataclass(frozen=True)
@@ -117,7 +203,9 @@ class MemoryProbe(Protocol):
 def with_allocators(sample: MemorySample, held: AllocatorBytes) -> MemorySample:
     """``sample`` with what the allocators say (built directly: ``_replace`` costs more
     than the reading it completes)."""
-    return MemorySample(sample.process, sample.device_used, sample.device_total, held.cached, held.owned)
+    return MemorySample(
+        sample.process, sample.device_used, sample.device_total, held.cached, held.owned, held.allocator
+    )
 
 
 def allocator_reader(probe: MemoryProbe) -> Callable[[], AllocatorBytes]:

@@ -110,6 +110,18 @@ def _read(sample: Callable[[], MemorySample], allocators: Callable[[], Allocator
     return with_allocators(sample(), held)
 
 
+def _explained(before: MemorySample, after: MemorySample, threshold: int, alone: bool) -> bool:
+    """No growth to suspect: memory in use grew by at most ``threshold`` and, on a
+    worker allocating through RMM where the task ran ``alone``, so did what the
+    allocators hand out. Inside an RMM pool (``rmm_pool_size``, ``rmm_async``) the
+    driver sees only the pool: RMM's own figure is the only one a leak moves."""
+    if after.live - before.live > threshold:
+        return False
+    if not alone or before.owned is None or after.owned is None or "rmm" not in (after.allocator or ""):
+        return True
+    return after.owned - before.owned <= threshold
+
+
 def judge(
     read: Callable[[], MemorySample],
     before: MemorySample,
@@ -118,6 +130,7 @@ def judge(
     sleep: Callable[[float], None],
     grew_before: bool,
     read_again: Callable[[], MemorySample] | None = None,
+    alone: bool = True,
 ) -> tuple[str, MemorySample]:
     """Sample after a task (``read``) and decide clean / cached / library / leak,
     flushing only when needed. ``read_again``: how to read after the flush (default
@@ -126,20 +139,24 @@ def judge(
     Memory in use (``MemorySample.live``) is what is judged, so warm pools stay warm
     for the next task; only growth the pools cannot explain triggers the flush.
     ``grew_before``: this task already left growth outside every allocator on this
-    worker thread, so doing it again is no library's one-time cost.
+    worker thread, so doing it again is no library's one-time cost. ``alone``: no other
+    guarded task ran on the worker while this one did; the allocators count for the
+    whole process, not a thread, so only then does their figure alone make a suspect
+    (``_explained``).
     """
+    threshold = settings.leak_threshold
     after = read()
-    if after.live - before.live <= settings.leak_threshold:
+    if _explained(before, after, threshold, alone):
         # The hot path: two NVML reads, no flush.
-        return (CLEAN if after.judged - before.judged <= settings.leak_threshold else CACHED), after
+        return (CLEAN if after.judged - before.judged <= threshold else CACHED), after
     release_caches()
     read_again = read_again or read
     after = read_again()
-    if after.live - before.live <= settings.leak_threshold:
+    if _explained(before, after, threshold, alone):
         return CACHED, after
     sleep(settings.settle_s)
     after = read_again()
-    if after.live - before.live <= settings.leak_threshold:
+    if _explained(before, after, threshold, alone):
         return CACHED, after
     held = owned_growth(before, after)
     if held is not None and held > settings.leak_threshold:
@@ -199,6 +216,7 @@ def verdict_for(
     oom: OutOfMemory | None = None,
     replacement_bytes: int = 0,
     sample: Callable[[], MemorySample] | None = None,
+    alone: bool = True,
 ) -> Verdict:
     """The verdict on one task. ``oom``: the task failed on a CUDA out-of-memory error;
     its verdict is ``oom``, and its worker is recycled only if, with the pools flushed,
@@ -206,7 +224,7 @@ def verdict_for(
     ``sample``: the reading after the task (default ``probe.sample``), whose
     device-wide figures may be a little old (``probe.AfterSampler``): a memory limit
     they say is passed is read again in full (its ``full()``, where it has one) before
-    it recycles the worker."""
+    it recycles the worker. ``alone``: see ``judge``."""
     read_in_full = functools.partial(_read, getattr(sample, "full", probe.sample), allocators)
     read = functools.partial(_read, sample, allocators) if sample is not None else read_in_full
     if oom is not None:
@@ -216,11 +234,14 @@ def verdict_for(
         delta = after.live - before.live
         reason = restart_reason(OOM, after, delta, tasks_run, settings, replacement_bytes)
         return Verdict(OOM, before, after, delta, reason, oom)
-    status, after = judge(read, before, settings, release_caches, sleep, grew_before, read_in_full)
+    status, after = judge(read, before, settings, release_caches, sleep, grew_before, read_in_full, alone)
     if status != LEAK and over_limit(after, settings, replacement_bytes):
         # Cached blocks count toward the device's use: give them back before recycling.
         release_caches()
         after = read_in_full()
     delta = after.live - before.live
+    held = owned_growth(before, after)
+    if status == LEAK and held is not None and held > delta:
+        delta = held  # inside a pool the driver saw none of it: the allocator's figure says
     reason = restart_reason(status, after, delta, tasks_run, settings, replacement_bytes)
     return Verdict(status, before, after, delta, reason)
