@@ -6,13 +6,16 @@ Parquet under ``out_dir`` (a fresh temporary directory by default). The flow the
 checks the Parquet files against the same aggregation done in plain pandas, one
 generated partition at a time.
 
-The backend is chosen on the worker that runs the ``gpu`` task: dask-cudf
-(``dask.config.set({"dataframe.backend": "cudf"})``) where ``cudf`` and
-``dask_cudf`` import and there is a GPU, pandas otherwise. Every step of the
-pipeline is written once, for both.
+The flow chooses the backend: dask-cudf (``dask.config.set({"dataframe.backend":
+"cudf"})``) where there is a GPU and ``cudf`` and ``dask_cudf`` import, pandas
+otherwise. Where cuDF is installed but cannot be imported (numpy 2.5 beside
+numba-cuda, say), the flow logs why at WARNING and takes the pandas path; so does
+the ``gpu`` task on a worker where cuDF does not import. Every step of the pipeline
+is written once, for both.
 
     python flows/cudf_etl.py                  # sizes chosen by the device
     python flows/cudf_etl.py /tmp/etl-out     # out_dir
+    python flows/cudf_etl.py /tmp/etl-out pandas 32 1000000   # backend and size
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+import functools
 import importlib.util
 import os
 import sys
@@ -109,23 +113,49 @@ def aggregate(df: Any) -> Any:
     return out.reset_index()
 
 
-def use_cudf() -> bool:
-    """A GPU here, and cudf plus dask_cudf (which registers the ``cudf`` backend) import."""
-    if not gpu_available() or importlib.util.find_spec("cudf") is None:
-        return False
+NO_GPU, NO_CUDF = "no GPU here", "cudf and dask_cudf are not installed"  # said at INFO only
+
+
+@functools.cache
+def cudf_unusable() -> str | None:
+    """Why this process cannot run the cuDF path (None: it can).
+
+    No GPU, or no cuDF installed, is said plainly; cuDF installed but failing to import
+    says what it raised. Importing cuDF runs native code and its CUDA bindings, which
+    fail in more ways than ``ImportError`` (numba-cuda registers ``np.row_stack``,
+    gone in numpy 2.5: ``AttributeError``), so any failure is caught here and said.
+    """
+    if not gpu_available():
+        return NO_GPU
+    if importlib.util.find_spec("cudf") is None or importlib.util.find_spec("dask_cudf") is None:
+        return NO_CUDF
     try:
         import cudf  # noqa: F401
-        import dask_cudf  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        import dask_cudf  # noqa: F401  (registers the "cudf" backend)
+    except Exception as exc:  # a boundary: the pandas path runs instead, said at WARNING
+        reason = f"cuDF is installed but cannot be imported ({type(exc).__name__}: {exc})"
+        if "row_stack" in str(exc):
+            reason += (
+                f"; numpy {np.__version__} has no np.row_stack, which numba-cuda needs:"
+                " pip install 'numpy<2.5'"
+            )
+        return reason
+    return None
+
+
+def use_cudf() -> bool:
+    """A GPU here, and cudf plus dask_cudf (which registers the ``cudf`` backend) import."""
+    return cudf_unusable() is None
 
 
 @task(tags=["gpu"])
-def run_etl(partitions: int, rows: int, seed: int, out_dir: str) -> dict[str, Any]:
-    """Generate, clean, aggregate and write Parquet on the worker's backend."""
-    cudf = use_cudf()
-    backend = "cudf" if cudf else "pandas"
+def run_etl(partitions: int, rows: int, seed: int, out_dir: str, backend: str = "cudf") -> dict[str, Any]:
+    """Generate, clean, aggregate and write Parquet: with dask-cudf where ``backend`` is
+    ``cudf`` and this worker can, else with pandas."""
+    if backend == "cudf" and (why := cudf_unusable()) is not None:
+        get_run_logger().warning("cudf-etl takes the pandas path on this worker: %s", why)
+        backend = "pandas"
+    cudf = backend == "cudf"
     path = os.path.join(out_dir, OUTPUT)
     start = time.perf_counter()
     with dask.config.set({"dataframe.backend": backend}):
@@ -178,21 +208,33 @@ def read_stats(path: str) -> pd.DataFrame:
 @flow(name="cudf-etl", task_runner=GPUDaskTaskRunner())
 def cudf_etl(
     out_dir: str | None = None,
+    backend: str | None = None,
     partitions: int | None = None,
     rows_per_partition: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Generate -> clean -> aggregate -> Parquet; asserts the files equal a pandas computation.
 
-    Sizes left empty pick the device's: 32 x 1M rows with cuDF on a GPU, 4 x 25k with
-    pandas (the check recomputes everything in pandas, so pandas gets the small size).
+    ``backend``: ``cudf`` or ``pandas``; left empty, ``cudf`` where this process can use
+    it. Sizes left empty pick the backend's: 32 x 1M rows with cuDF, 4 x 25k with pandas
+    (the check recomputes everything in pandas, so pandas gets the small size).
     """
-    default_partitions, default_rows = default_size(use_cudf())
+    if backend not in (None, "cudf", "pandas"):
+        raise ValueError(f"backend {backend!r} is not 'cudf' or 'pandas'")
+    why = cudf_unusable() if backend != "pandas" else None
+    if why is not None:
+        if backend == "cudf" or why not in (NO_GPU, NO_CUDF):
+            get_run_logger().warning("cudf-etl takes the pandas path: %s", why)
+        else:
+            get_run_logger().info("cudf-etl takes the pandas path: %s", why)
+        backend = "pandas"
+    backend = backend or "cudf"
+    default_partitions, default_rows = default_size(backend == "cudf")
     partitions = partitions or default_partitions
     rows = rows_per_partition or default_rows
     out_dir = out_dir or tempfile.mkdtemp(prefix="cudf-etl-")
     expected = expected_stats.submit(partitions, rows, seed)
-    report = run_etl.submit(partitions, rows, seed, out_dir).result()
+    report = run_etl.submit(partitions, rows, seed, out_dir, backend).result()
     got = read_stats.submit(report["path"]).result()
     want = expected.result()
     assert len(want) == len(CATEGORIES) * DAYS, want
@@ -213,4 +255,5 @@ def cudf_etl(
 
 
 if __name__ == "__main__":
-    print(cudf_etl(*sys.argv[1:2]))
+    args = sys.argv[1:]
+    print(cudf_etl(*args[:2], *(int(n) for n in args[2:4])))
