@@ -142,6 +142,24 @@ def _check_probe(value: str | ProbeFactory | None) -> None:
         )
 
 
+# Cluster keywords dask-cuda no longer takes, and what to use instead. Left to the
+# cluster, they reach each worker's constructor and fail there, after the cluster began.
+REMOVED_CLUSTER_KWARGS = {
+    "jit_unspill": "dask-cuda removed JIT-unspill (its proxy objects); "
+    "use enable_cudf_spill=True (cuDF's own spilling, on the workers and in this process)",
+}
+
+
+def check_cluster_kwargs(cluster_kwargs: Mapping[str, Any] | None) -> None:
+    """A ValueError naming a keyword the cluster no longer takes (``REMOVED_CLUSTER_KWARGS``)."""
+    for name in cluster_kwargs or ():
+        if name in REMOVED_CLUSTER_KWARGS:
+            raise ValueError(
+                f"cluster_kwargs {name}={cluster_kwargs[name]!r} is no longer an option: "
+                f"{REMOVED_CLUSTER_KWARGS[name]}"
+            )
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     """What the runner routes by and what the guard tolerates.

@@ -51,6 +51,7 @@ from prefect_gpu_dask.settings import (
     OnStall,
     RestartPolicy,
     RunnerSettings,
+    check_cluster_kwargs,
     check_connection,
 )
 from prefect_gpu_dask.worker.compute import ShareServer
@@ -144,6 +145,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             on_stall=on_stall,
         )
         check_connection(address, security, allow_insecure)
+        check_cluster_kwargs(cluster_kwargs)
         self.router = TagRouter(self.settings.tag_resources)
         self.security = security
         self.allow_insecure = allow_insecure
