@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -201,6 +205,107 @@ def library_findings(cuda_major: int | None) -> list[Finding]:
     return findings
 
 
+# -- RAPIDS: cuDF, dask-cudf, RMM ----------------------------------------------------
+
+RAPIDS = (  # (label, module, distributions), in import order
+    ("rmm", "rmm", ("rmm-cu13", "rmm-cu12", "rmm")),
+    ("cudf", "cudf", ("cudf-cu13", "cudf-cu12", "cudf")),
+    ("dask-cudf", "dask_cudf", ("dask-cudf-cu13", "dask-cudf-cu12", "dask-cudf")),
+)
+IMPORT_TIMEOUT_S = 90.0
+NUMPY_FIX = "pip install 'numpy<2.5'"
+_IMPORT_EACH = """
+import importlib, json, sys
+failed = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        failed[name] = f"{type(exc).__name__}: {exc}"[:400]
+print(json.dumps(failed))
+"""
+
+
+def import_failures(modules: list[str], timeout_s: float = IMPORT_TIMEOUT_S) -> dict[str, str]:
+    """Which of ``modules`` fail to import, and how, asked of a fresh interpreter: a
+    library that crashes or hangs on import (native code, CUDA bindings) takes the
+    subprocess with it, never the doctor. RAPIDS_NO_INITIALIZE keeps cuDF from touching
+    the GPU at import."""
+    env = {**os.environ, "RAPIDS_NO_INITIALIZE": "1"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _IMPORT_EACH, *modules],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return dict.fromkeys(modules, f"the import did not finish in {timeout_s:.0f} s")
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return dict.fromkeys(modules, f"the interpreter importing them stopped: {tail}")
+
+
+def numpy_clash() -> str | None:
+    """numpy without ``np.row_stack`` (2.5 removed it) beside numba-cuda, which registers
+    it at import: cuDF and RMM then fail to import. None where there is no clash."""
+    import numpy
+
+    numba_cuda = _installed("numba-cuda", "numba-cuda-mlir")
+    if numba_cuda is None or hasattr(numpy, "row_stack"):
+        return None
+    name, version = numba_cuda
+    return f"numpy {numpy.__version__} has no np.row_stack, which {name} {version} needs at import"
+
+
+def rapids_findings(rapids: tuple[tuple[str, str, tuple[str, ...]], ...] = RAPIDS) -> list[Finding]:
+    """cuDF, dask-cudf and RMM: installed, importable (``import_failures``), the numpy /
+    numba-cuda clash named with its fix, and cuDF's spilling in this process."""
+    found = {label: (module, _installed(*names)) for label, module, names in rapids}
+    if not any(dist for _, dist in found.values()):
+        return [Finding("RAPIDS", INFO, "cuDF, dask-cudf and RMM not installed (optional)")]
+    failed = import_failures([module for module, dist in found.values() if dist])
+    clash = numpy_clash()
+    findings = []
+    for label, (module, dist) in found.items():
+        if dist is None:
+            findings.append(Finding(label, INFO, "not installed"))
+        elif module in failed:
+            error = failed[module]
+            if "row_stack" in error and clash is None:
+                clash = "numpy has no np.row_stack, which numba-cuda needs at import"
+            hint = (
+                NUMPY_FIX if "row_stack" in error else "reinstall it for this CUDA, or read the error above"
+            )
+            findings.append(Finding(label, FAIL, f"{dist[0]} {dist[1]}, not importable: {error}", hint))
+        else:
+            findings.append(Finding(label, OK, f"{dist[0]} {dist[1]}, importable"))
+    if clash is not None:
+        findings.append(
+            Finding("numpy", FAIL, f"{clash}: cuDF, RMM and RMM-pool workers cannot start", NUMPY_FIX)
+        )
+    if found["cudf"][1] is not None:
+        spill = os.environ.get("CUDF_SPILL", "")
+        on = spill.lower() in ("1", "on", "true", "yes")
+        findings.append(
+            Finding(
+                "cuDF spilling",
+                OK if on else INFO,
+                f"CUDF_SPILL={spill or '(unset)'} here: spilling {'on' if on else 'off'} in this process",
+                "LocalCUDACluster(enable_cudf_spill=True) turns it on in its workers and this process; "
+                "for workers started elsewhere: dask cuda worker --enable-cudf-spill, and CUDF_SPILL=on "
+                "where the flow runs",
+            )
+        )
+    return findings
+
+
 # -- the Prefect API -----------------------------------------------------------------
 
 
@@ -325,6 +430,7 @@ def diagnose(address: str | None = None, security: Any = None) -> Diagnosis:
         if cuda_major is not None:
             findings += gpu_findings()
         findings += library_findings(cuda_major)
+        findings += rapids_findings()
         findings += host_cluster_findings()
     findings += prefect_findings()
     return Diagnosis(tuple(findings), time.perf_counter() - began)
