@@ -6,7 +6,11 @@ run joins in a fraction of the time it takes to start a cluster. Its scheduler a
 workers speak TLS with a certificate made at start and written, with the address,
 to ``host-cluster.json`` in the user's private directory (``private_dir``: mode 0700,
 the file 0600). Every connection must present that certificate, so no other user of
-the host can join, submit or read.
+the host can join, submit or read. The same goes for the HTTP servers of the scheduler
+and of each worker (dashboard, ``/metrics``): they speak HTTPS and take only a client
+that presents the certificate, which ``credential_files`` also holds as PEM files for
+the owner's browser, ``curl`` or Prometheus. This module is those servers' preload
+(``dask_setup``), which makes them ask for it.
 
 ``find_host_cluster`` is what a runner with no ``address``, ``cluster`` or
 ``cluster_class`` calls: the record if the file is there and its process alive, else
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +35,14 @@ if TYPE_CHECKING:
     import distributed
 
 FILE_NAME = "host-cluster.json"
+# The certificate and its key as PEM files, for HTTPS clients (Prometheus, curl).
+CERT_FILE = "host-cluster-cert.pem"
+KEY_FILE = "host-cluster-key.pem"
+# The name in the certificate (``distributed.Security.temporary``): HTTPS clients that
+# check it connect to 127.0.0.1 as this server name.
+SERVER_NAME = "dask-internal"
+# The preload that makes the cluster's HTTP servers ask for the certificate.
+HTTP_PRELOAD = __name__
 # The word every host cluster's command line carries, so a reused pid is not taken for it.
 COMMAND_MARK = "prefect_gpu_dask"
 # Each flow run's Dask client is named so: the scheduler (``cluster status``) tells
@@ -45,6 +58,10 @@ def flow_run_of_client(client_id: str) -> str | None:
 
 class HostClusterFileError(PermissionError):
     """``host-cluster.json`` is not the user's alone."""
+
+
+class DashboardNotPrivateError(RuntimeError):
+    """A host cluster's HTTP server could not be made to ask for the certificate."""
 
 
 @dataclass(frozen=True)
@@ -138,3 +155,63 @@ def remove_host_cluster(pid: int, directory: Path | None = None) -> None:
     with contextlib.suppress(FileNotFoundError, ValueError, TypeError, KeyError):
         if json.loads(path.read_text())["pid"] == pid:
             path.unlink()
+
+
+def credential_files(directory: Path | None = None) -> tuple[Path, Path]:
+    """Where the running host cluster's certificate and key are, as PEM files."""
+    directory = directory or private_directory()
+    return directory / CERT_FILE, directory / KEY_FILE
+
+
+def write_credentials(certificate: str, key: str, directory: Path | None = None) -> tuple[Path, Path]:
+    """Write the certificate and key (PEM) 0600, each under a temporary name first."""
+    paths = credential_files(directory)
+    for path, text in zip(paths, (certificate, key)):
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(partial, path)
+    return paths
+
+
+def remove_credentials(certificate: str, directory: Path | None = None) -> None:
+    """Remove the PEM files if they still hold ``certificate`` (not a later cluster's)."""
+    cert_path, key_path = credential_files(directory)
+    with contextlib.suppress(OSError):
+        if cert_path.read_text() == certificate:
+            key_path.unlink(missing_ok=True)
+            cert_path.unlink()
+
+
+def dashboard_tls_config(cert_path: Path, key_path: Path) -> dict[str, str]:
+    """Dask's settings for HTTPS on the scheduler's and the workers' HTTP servers, with
+    the certificate as the only CA whose clients ``dask_setup`` lets in."""
+    return {
+        "distributed.scheduler.dashboard.tls.cert": str(cert_path),
+        "distributed.scheduler.dashboard.tls.key": str(key_path),
+        "distributed.scheduler.dashboard.tls.ca-file": str(cert_path),
+    }
+
+
+async def dask_setup(server: Any) -> None:
+    """Preload of the host cluster's scheduler and workers: their HTTP server takes only
+    clients with a certificate its CA signed.
+
+    Dask serves the dashboard over HTTPS (``dashboard_tls_config``) but does not ask
+    clients for a certificate. This runs as the server starts, before its event loop
+    accepts a connection; one accepted before (none, as distributed starts today) is
+    closed. Where the server is not HTTPS, its HTTP server is stopped rather than left
+    open, and the error says so.
+    """
+    http_server = getattr(server, "http_server", None)
+    context = getattr(http_server, "ssl_options", None)
+    if not isinstance(context, ssl.SSLContext):
+        if http_server is not None:
+            http_server.stop()
+        raise DashboardNotPrivateError(
+            f"The HTTP server of {type(server).__name__} {getattr(server, 'address', '')} does not "
+            f"speak TLS (ssl_options {context!r}): stopped it, so its dashboard and /metrics are off"
+        )
+    context.verify_mode = ssl.CERT_REQUIRED
+    await http_server.close_all_connections()

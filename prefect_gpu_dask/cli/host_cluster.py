@@ -4,9 +4,10 @@
 manager's): it starts the cluster the runner would start (a ``LocalCUDACluster`` with one
 worker per GPU, a CPU ``LocalCluster`` without GPUs), with TLS on every connection and a
 certificate made for this run, publishes both in the user's private directory
-(``host_cluster``), and closes everything on SIGTERM or SIGINT. ``start`` runs ``serve``
-in the background and returns once the cluster is ready; ``status`` and ``stop`` find it
-through the same file.
+(``host_cluster``), and closes everything on SIGTERM or SIGINT. The HTTP servers
+(dashboard, ``/metrics``) of its scheduler and workers take only HTTPS clients that
+present that certificate. ``start`` runs ``serve`` in the background and returns once
+the cluster is ready; ``status`` and ``stop`` find it through the same file.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from typing import Any
 
 from prefect_gpu_dask import nvml
 from prefect_gpu_dask.host_cluster import (
+    HTTP_PRELOAD,
     HostCluster,
+    dashboard_tls_config,
     find_host_cluster,
     flow_run_of_client,
+    remove_credentials,
     remove_host_cluster,
+    write_credentials,
     write_host_cluster,
 )
 from prefect_gpu_dask.private_dir import private_directory
@@ -97,6 +102,7 @@ def parse_resources(text: str) -> dict[str, float]:
 def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda host: None) -> None:
     """Run the host cluster until SIGTERM or SIGINT; the discovery file goes with it."""
     # Here, not at the top: the other commands answer without importing Prefect.
+    import dask
     from distributed import Client, Security
 
     from prefect_gpu_dask import forkserver
@@ -115,7 +121,13 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
     security = Security.temporary()
     cluster_class = default_cluster_class(logger)
     cuda = is_local_cuda_cluster(cluster_class)
-    wanted: dict[str, Any] = {"security": security, "dashboard_address": options.dashboard_address}
+    wanted: dict[str, Any] = {
+        "security": security,
+        "dashboard_address": options.dashboard_address,
+        # First among each server's preloads: it runs before the server takes a connection.
+        "scheduler_kwargs": {"preload": [HTTP_PRELOAD]},
+        "preload": [HTTP_PRELOAD],
+    }
     if not cuda and options.workers is not None:
         wanted["n_workers"] = options.workers
     if options.threads_per_worker is not None:
@@ -128,6 +140,12 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
     # The fork server imports what a task run needs once; each worker start then skips it.
     forkserver.worker_start_method(cuda, preload=forkserver.WORKER_PRELOAD)
     with ExitStack() as stack:
+        # HTTPS for the dashboards and /metrics, with the cluster's certificate, in this
+        # process for as long as the cluster runs: a nanny hands this process's settings
+        # (not a copy) to each worker process it starts, restarts included.
+        stack.callback(remove_credentials, security.tls_ca_file)
+        https = dashboard_tls_config(*write_credentials(security.tls_ca_file, security.tls_client_key))
+        stack.enter_context(dask.config.set(https))
         cluster = start_local_cluster(
             cluster_class,
             local_cluster_kwargs(cluster_class, wanted),
@@ -215,6 +233,7 @@ class WorkerStatus:
     threads: int
     running: int
     memory_limit: int | None
+    http: str | None = None  # its HTTP server (/metrics), HTTPS with the cluster's certificate
 
 
 @dataclass(frozen=True)
@@ -257,11 +276,17 @@ def status(host: HostCluster) -> ClusterStatus:
                 threads=int(worker.get("nthreads", 0)),
                 running=int(worker.get("metrics", {}).get("executing", 0)),
                 memory_limit=worker.get("memory_limit"),
+                http=f"https://{worker['host']}:{port}" if (port := _http_port(worker)) else None,
             )
         )
     others = tuple(c for c in clients["clients"] if c != me)
     flow_runs = tuple(sorted({run for c in others if (run := flow_run_of_client(c)) is not None}))
     return ClusterStatus(host, tuple(workers), others, flow_runs, clients["tasks"])
+
+
+def _http_port(worker: dict[str, Any]) -> int | None:
+    port = worker.get("services", {}).get("dashboard")
+    return port if isinstance(port, int) and worker.get("host") else None
 
 
 def _clients_and_tasks(dask_scheduler: Any = None) -> dict[str, Any]:
