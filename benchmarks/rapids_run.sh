@@ -5,7 +5,7 @@
 # /tmp/carry on the same warm machine; carry [".whl"] for this call. COMMIT names the tree.
 set -uo pipefail
 OUT=${OUT:-$PWD/rapids-out}
-ROWS=${ROWS:-1000000} PARTS=${PARTS:-32}
+ROWS=${ROWS:-1000000} PARTS=${PARTS:-16}
 mkdir -p "$OUT" /tmp/carried /tmp/site-big /tmp/np24
 if [ ! -f /tmp/site-big/.done ]; then
   cat /tmp/carry/part* | tar -x -C /tmp/carried &&
@@ -31,9 +31,9 @@ step() {  # step SECONDS OUTFILE PYTHONPATH COMMAND...
 print('numpy', numpy.__version__, 'pandas', pandas.__version__, 'dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__, 'rmm', rmm.__version__, 'cudf', cudf.__version__, 'dask-cudf', dask_cudf.__version__, 'numba-cuda', numba_cuda.__version__)"
 } > "$OUT/environment.txt" 2>&1
 step 60 "$OUT/doctor.txt" "$FIXED" python3 -c "from prefect_gpu_dask.cli.main import main; main(['doctor'])"
-step 260 "$OUT/tests.txt" "$FIXED" python3 -m pytest -p no:cacheprovider -o addopts="" -v -s -x \
+step 200 "$OUT/tests.txt" "$FIXED" python3 -m pytest -p no:cacheprovider -o addopts="" -v -s -x \
   tests/integration/test_rapids.py tests/unit/test_rmm_verdict.py
-step 120 "$OUT/etl-cudf.txt" "$FIXED" python3 flows/cudf_etl.py /tmp/etl-cudf cudf "$PARTS" "$ROWS"
-step 150 "$OUT/etl-pandas.txt" "$FIXED" python3 flows/cudf_etl.py /tmp/etl-pandas pandas "$PARTS" "$ROWS"
-step 45 "$OUT/doctor-numpy25.txt" "$CLASH" python3 -c "from prefect_gpu_dask.cli.main import main; main(['doctor'])"
-step 90 "$OUT/etl-numpy25.txt" "$CLASH" python3 flows/cudf_etl.py /tmp/etl-clash
+step 90 "$OUT/etl-cudf.txt" "$FIXED" python3 flows/cudf_etl.py /tmp/etl-cudf cudf "$PARTS" "$ROWS"
+step 120 "$OUT/etl-pandas.txt" "$FIXED" python3 flows/cudf_etl.py /tmp/etl-pandas pandas "$PARTS" "$ROWS"
+
+step 70 "$OUT/etl-numpy25.txt" "$CLASH" python3 flows/cudf_etl.py /tmp/etl-clash
