@@ -31,7 +31,7 @@ step() {  # step SECONDS OUTFILE PYTHONPATH COMMAND...
 print('numpy', numpy.__version__, 'pandas', pandas.__version__, 'dask', dask.__version__, 'distributed', distributed.__version__, 'dask-cuda', dask_cuda.__version__, 'prefect', prefect.__version__, 'cupy', cupy.__version__, 'rmm', rmm.__version__, 'cudf', cudf.__version__, 'dask-cudf', dask_cudf.__version__, 'numba-cuda', numba_cuda.__version__)"
 } > "$OUT/environment.txt" 2>&1
 step 60 "$OUT/doctor.txt" "$FIXED" python3 -c "from prefect_gpu_dask.cli.main import main; main(['doctor'])"
-step 200 "$OUT/tests.txt" "$FIXED" python3 -m pytest -p no:cacheprovider -o addopts="" -v -s -x \
+step 200 "$OUT/tests.txt" "$FIXED" python3 -m pytest -p no:cacheprovider -o addopts="" -v -s \
   tests/integration/test_rapids.py tests/unit/test_rmm_verdict.py
 step 90 "$OUT/etl-cudf.txt" "$FIXED" python3 flows/cudf_etl.py /tmp/etl-cudf cudf "$PARTS" "$ROWS"
 step 120 "$OUT/etl-pandas.txt" "$FIXED" python3 flows/cudf_etl.py /tmp/etl-pandas pandas "$PARTS" "$ROWS"
