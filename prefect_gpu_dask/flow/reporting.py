@@ -48,6 +48,7 @@ TABLE_COLUMNS = (
     "peak",
     "delta",
     "allocator_delta",
+    "allocator",
     "duration_s",
     "gpu_index",
     "gpu_uuid",
