@@ -13,8 +13,9 @@ Checked: every flow run and task run ``Completed`` (0 failures), no two tasks on
 at once (the tasks' own start/end times, ``time.time()`` inside the task, do not
 overlap), and the first task's start to the last one's end within ``--target`` (15 %)
 of the sum of the tasks' own times. Also reported: the gaps between one task's end and
-the next one's start (the hand-overs) and what the tasks' logs say they waited for
-another cluster's memory ("handed over: waited …").
+the next one's start, the GPU's idle time while a flow run had asked for it
+(``idle_while_asked_s``: the hand-overs' cost) and what the tasks' logs say they waited
+for another cluster's memory ("handed over: waited …").
 
 The flow runs report to one ``prefect server start`` (``--api server``, the default,
 as deployments do), or each to a temporary server of its own in its own
@@ -24,7 +25,8 @@ host cluster use a private runtime directory of this run only.
 
 ``--cpu``: no GPU; the task allocates with NumPy (``--fraction`` of ``--cpu-mib``) and
 the default runner runs it on the CPU, with no GPU turn: only that the orchestration
-completes is checked. ``--scripted-gpu`` (with ``--cpu``) gives each flow run a
+completes is checked (and, with ``--host-cluster``, whose one worker has one ``GPU``
+slot, that no two tasks overlap). ``--scripted-gpu`` (with ``--cpu``) gives each flow run a
 ``LocalCluster`` with a ``GPU`` slot and the tests' scripted GPU
 (``tests.scripted_probe``), all with the same UUID, so the GPU turn applies and the
 overlap check too. Prints a table and writes JSON (``--out``); exits 1 when a check fails.
@@ -101,12 +103,14 @@ def one_flow_run(
     def busy_night(index: int) -> dict[str, Any]:
         from prefect.context import FlowRunContext
 
+        asked = time.time()
         future = gpu_task.submit(fraction, hold_s, on_gpu, cpu_mib)
         future.wait()
         state = future.state
         row: dict[str, Any] = {
             "flow_run_id": str(FlowRunContext.get().flow_run.id),
             "task_state": state.type.value,
+            "asked": asked,
         }
         try:
             row["task"] = future.result()
@@ -210,6 +214,10 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace, wall_s: floa
     own = sum(end - start for start, end in spans)
     span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
     gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    # The GPU idle between two tasks while the next one's flow run had already asked:
+    # what the hand-overs cost (a flow run still starting is not their cost).
+    asked = {r["task"]["start"]: r["asked"] for r in rows if "task" in r}
+    idle_asked = sum(max(0.0, b[0] - max(a[1], asked[b[0]])) for a, b in zip(spans, spans[1:]))
     memory_waits = [w["waited_s"] for r in rows for w in r["memory_waits"]]
     failures = [
         r["flow"]
@@ -219,7 +227,8 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace, wall_s: floa
         or r["exit_code"]
         or r["timed_out"]
     ]
-    checked_overlap = not args.cpu or args.scripted_gpu  # on plain CPU no turn applies
+    # On a plain CPU no turn applies, but a host cluster's one GPU slot does.
+    checked_overlap = not args.cpu or args.scripted_gpu or args.host_cluster
     summary = {
         "flows": args.flows,
         "fraction": args.fraction,
@@ -238,6 +247,7 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace, wall_s: floa
         "first_start_to_last_end_s": round(span, 3),
         "span_over_sum": round(span / own, 3) if own else None,
         "target": 1 + args.target,
+        "idle_while_asked_s": round(idle_asked, 3),
         "handover_gap_mean_s": round(sum(gaps) / len(gaps), 3) if gaps else None,
         "handover_gap_max_s": round(max(gaps), 3) if gaps else None,
         "memory_waits": len(memory_waits),
@@ -286,7 +296,7 @@ def host_cluster(command: str, env: dict[str, str], on_gpu: bool, timeout_s: flo
     cli = [sys.executable, "-m", "prefect_gpu_dask", "cluster", command]
     if command == "start":
         cli += ["--dashboard-address", "127.0.0.1:0"]
-        cli += [] if on_gpu else ["--resources", "GPU=1"]
+        cli += [] if on_gpu else ["--workers", "1", "--resources", "GPU=1"]  # one "GPU"
     if command == "stop":
         cli += ["--force"]
     subprocess.run(cli, env=env, check=command == "start", timeout=timeout_s)
