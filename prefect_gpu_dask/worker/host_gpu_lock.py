@@ -54,7 +54,7 @@ WAITER_LIVE_S = 4 * POLL_S  # a waiter asking this recently is let in before the
 # with a library's handles and kernels (about 0.5 GiB on an H100).
 OTHERS_ALLOWANCE = 1536 * 2**20
 MEMORY_WAIT_S = 30.0  # the longest a taker waits for another process's memory to come back
-MEMORY_STEADY_S = 1.0  # ...and for memory that has stopped coming back
+MEMORY_STEADY_S = 2.0  # ...and for memory that has stopped coming back (a dying process's goes at once)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class MemoryHandover:
     once the memory stops falling: memory that is not coming back (a notebook's, a
     task result another cluster's worker keeps) is not waited for again while it holds
     no more than it did then. Memory the driver cannot attribute to a process (MIG,
-    vGPU: -1) is not waited for.
+    vGPU: -1) is not waited for. Only this process counts as its cluster's: the turn
+    came from another cluster, so no other process of this one ran ``gpu`` work since it
+    gave its own turn up, flushing its pools.
     """
 
     def __init__(
