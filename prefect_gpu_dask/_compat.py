@@ -37,20 +37,76 @@ def switched_off() -> frozenset[str]:
     return frozenset(_switched_off)
 
 
+MOVED = (AttributeError, ImportError, KeyError, TypeError)  # what a moved private name raises
+
+
+def fail_safe(
+    feature: str, fallback: Callable[..., Any]
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An entry of this module: where the upstream name it reaches for has moved, its
+    ``feature`` switches off (``switch_off``) and ``fallback`` answers, now and from then on."""
+
+    def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if feature in _switched_off:
+                return fallback(*args, **kwargs)
+            try:
+                return function(*args, **kwargs)
+            except MOVED as exc:
+                switch_off(feature, exc)
+                return fallback(*args, **kwargs)
+
+        entry.feature = feature  # type: ignore[attr-defined]
+        return entry
+
+    return wrap
+
+
+def _none(*_: Any, **__: Any) -> None:
+    return None
+
+
 # -- Prefect ---------------------------------------------------------------------
 
 
-def context_var(context_type: Any) -> contextvars.ContextVar:
-    """The ``ContextVar`` behind a Prefect context class.
+@contextlib.contextmanager
+def use(context: Any, context_type: Any = None) -> Iterator[Any]:
+    """``context`` (a Prefect ``ContextModel``: settings, client, flow run) as this
+    thread's, where one object serves every worker thread at once.
 
-    Used to set one settings/client context object for every worker thread at once:
     ``ContextModel.__enter__`` keeps its reset token on the object, so one object cannot
-    be entered by several threads. Public replacement: a thread-safe
-    ``ContextModel.use()`` returning a token (none exists in Prefect 3.8/3.9).
+    be entered by several threads: this sets the ``ContextVar`` behind its class
+    (``__var__``) directly. Where that name moved, a shallow copy is entered the public
+    way instead (``ContextModel.__enter__``, not a subclass's, which may open clients).
+    ``context_type`` names the class whose variable takes it where ``context`` stands in
+    for one (the flow's cached serialisations); with the name moved, a stand-in is not
+    entered and the context in force is serialised as Prefect would.
+    Public replacement: a thread-safe ``ContextModel.use()`` returning a token.
     """
-    return context_type.__var__
+    var = getattr(context_type or type(context), "__var__", None)
+    if isinstance(var, contextvars.ContextVar) and "sharing one Prefect context object" not in _switched_off:
+        token = var.set(context)
+        try:
+            yield context
+        finally:
+            var.reset(token)
+        return
+    switch_off("sharing one Prefect context object between threads", AttributeError("__var__"))
+    from prefect.context import ContextModel
+
+    if not isinstance(context, ContextModel):
+        yield context
+        return
+    copy = context.model_copy()
+    ContextModel.__enter__(copy)
+    try:
+        yield copy
+    finally:
+        ContextModel.__exit__(copy)
 
 
+@fail_safe("results kept for futures of a recycled worker", _none)
 def set_future_final_state(future: Any, state: Any) -> None:
     """Give a ``PrefectDaskFuture`` its final state, so it never asks Dask again.
 
@@ -66,6 +122,7 @@ def future_final_state(future: Any) -> Any:
     return getattr(future, "_final_state", None)
 
 
+@fail_safe("sizing a task run's result on its worker", lambda state: getattr(state, "data", None))
 def state_payload(state: Any) -> Any:
     """What a Prefect state holds in memory: its result record's value, else its data.
 
@@ -254,6 +311,7 @@ def imported_module(name: str) -> Any:
     return module
 
 
+@fail_safe("a forked GPU worker's CUDA context made beside its start", _none)
 def make_cuda_contexts_with(beside: Callable[[Callable[[], None]], None]) -> None:
     """In the workers forked from this process from now on, make dask-cuda's
     ``dask_cuda.initialize`` preload hand the making of the worker's CUDA context to
@@ -279,6 +337,7 @@ def make_cuda_contexts_with(beside: Callable[[Callable[[], None]], None]) -> Non
     dask_cuda.initialize._create_cuda_context_and_warn = hand_over
 
 
+@fail_safe("workers sharing the flow run's temporary Prefect server", _none)
 def started_ephemeral_api_server() -> Any:
     """Prefect's ephemeral API server for this process, started (at once where it runs).
 
@@ -306,6 +365,7 @@ def current_worker() -> Any:
         return None
 
 
+@fail_safe("handing queued work back before a recycle", _none)
 def reschedule(dask_scheduler: Any, key: str, worker: str, stimulus_id: str) -> None:
     """Send a task a worker holds but never started back to the scheduler.
 
@@ -315,6 +375,7 @@ def reschedule(dask_scheduler: Any, key: str, worker: str, stimulus_id: str) -> 
     dask_scheduler._reschedule(key, worker, stimulus_id=stimulus_id)
 
 
+@fail_safe("keeping a local cluster's restarting worker", _none)
 def spec_cluster_of(dask_scheduler: Any) -> Any:
     """The ``SpecCluster`` (``LocalCluster``, ``LocalCUDACluster``) whose scheduler this
     is, when it lives in the scheduler's process; else None.
@@ -340,6 +401,7 @@ def bytes_sent(comm: Any) -> int | None:
     return getattr(comm, "byte_count", None)
 
 
+@fail_safe("running a task whose resources no worker offers elsewhere", lambda *a, **k: [])
 def drop_resource_restrictions(dask_scheduler: Any, keys: list[str], stimulus_id: str) -> list[str]:
     """Let tasks not started yet run without their resource restrictions.
 
@@ -363,6 +425,7 @@ def drop_resource_restrictions(dask_scheduler: Any, keys: list[str], stimulus_id
     return released
 
 
+@fail_safe("reading what a worker offers", lambda worker: {})
 def worker_resources(worker: Any) -> dict[str, float]:
     """The resources a worker offers. Public replacement: a ``Worker.total_resources``
     property (the figure lives on its state machine)."""
@@ -392,6 +455,12 @@ async def add_worker_resources(dask_worker: Any, resources: dict[str, float]) ->
     )
 
 
+@fail_safe(
+    "keeping resource counts on the scheduler",
+    lambda dask_scheduler, worker, resources: dask_scheduler.add_resources(
+        worker=worker, resources=resources
+    ),
+)
 def set_worker_resources(dask_scheduler: Any, worker: str, resources: dict[str, float]) -> None:
     """Change what a worker offers, on the scheduler only, keeping its running tasks'
     resources counted (its own state still runs what it holds).
@@ -457,6 +526,19 @@ def send_pending(comm: Any) -> bool:
     return bool(getattr(comm, "buffer", None))
 
 
+def _first_visible_handle() -> Any:
+    """The same handle through pynvml's public calls (no MIG parent lookup)."""
+    import os
+
+    import pynvml
+
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    if first.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(first)
+    return pynvml.nvmlDeviceGetHandleByIndex(int(first))
+
+
+@fail_safe("NVML handle of the worker's own GPU through distributed", _first_visible_handle)
 def nvml_worker_handle() -> Any:
     """NVML handle of this process's GPU (first ``CUDA_VISIBLE_DEVICES`` entry, an
     index or a ``GPU-``/``MIG-`` UUID), resolved as distributed's dashboard does.
@@ -469,6 +551,7 @@ def nvml_worker_handle() -> Any:
     return nvml._pynvml_handles()
 
 
+@fail_safe("shares sent straight from worker to worker", _none)
 def add_worker_handler(worker: Any, op: str, handler: Callable[..., Any]) -> None:
     """Serve ``op`` on ``worker``'s own RPC, beside its built-in handlers.
 
@@ -477,6 +560,7 @@ def add_worker_handler(worker: Any, op: str, handler: Callable[..., Any]) -> Non
     worker.handlers[op] = handler
 
 
+@fail_safe("get_worker() in a share's thread", lambda worker, function, *args: function(*args))
 def as_on_worker(worker: Any, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` in this thread as a task's code runs on ``worker``: with
     ``get_worker()`` (and so ``get_client()``, ``Event``, ``Lock``) answering for it.
@@ -490,6 +574,7 @@ def as_on_worker(worker: Any, function: Callable[..., Any], *args: Any) -> Any:
         _worker_cvar.reset(token)
 
 
+@fail_safe("shares sent straight from worker to worker", _none)
 def remove_worker_handler(worker: Any, op: str) -> None:
     """Stop serving ``op`` (``add_worker_handler``). Public replacement: as there."""
     worker.handlers.pop(op, None)
@@ -534,6 +619,7 @@ def raise_error_reply(reply: dict[str, Any]) -> None:
 # -- dask ------------------------------------------------------------------------
 
 
+@fail_safe("splitting a gpu task's graph over every GPU", _none)
 def finalized_graph(collections: list[Any]) -> tuple[dict[Any, Any], list[Any]]:
     """The optimised low-level graph and output keys ``dask.compute`` would run.
 
@@ -541,6 +627,7 @@ def finalized_graph(collections: list[Any]) -> tuple[dict[Any, Any], list[Any]]:
     expression rewrite; today the expression classes are private.
     """
     from dask._expr import FinalizeCompute
+    from dask._task_spec import DataNode  # noqa: F401  # data_node's, checked with the graph's
     from dask.base import collections_to_expr
     from dask.core import flatten
 
@@ -610,6 +697,7 @@ def nvml_compute_processes_raw(hold_gil: bool = True) -> tuple[Any, Any] | None:
 # -- Python's multiprocessing ----------------------------------------------------
 
 
+@fail_safe("a fork server started again in a changed environment", _none)
 def stop_fork_server() -> None:
     """Stop this process's ``multiprocessing`` fork server; the next fork request starts
     a new one.

@@ -62,6 +62,8 @@ def share_ephemeral_api(exit_stack: ExitStack) -> bool:
     if not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return False
     server = _compat.started_ephemeral_api_server()
+    if server is None:  # each worker then starts a server of its own, as under prefect-dask
+        return False
     with _lock:
         if _api_url != server.api_url:
             atexit.register(wait_until_recorded, server.api_url)  # runs before the server stops

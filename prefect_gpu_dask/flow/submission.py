@@ -15,6 +15,7 @@ assets, task run) is serialised per task exactly as prefect-dask does, and seale
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import OrderedDict
@@ -49,8 +50,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SETTINGS = _compat.context_var(SettingsContext)
-_ENGINE = _compat.context_var(EngineContext)
 SHARED_KEPT = 1024  # fixed parts of the task runs submitted lately
 CLONES_KEPT = 1024  # tasks dressed lately, with what runs around them
 
@@ -204,10 +203,10 @@ class TaskSubmitter:
     def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
         settings = self._stand_in(SettingsContext)
         engine = self._stand_in(EngineContext)
-        resets = [(_SETTINGS, _SETTINGS.set(settings))]
-        if engine is not None:
-            resets.append((_ENGINE, _ENGINE.set(engine)))
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_compat.use(settings, SettingsContext))
+            if engine is not None:
+                stack.enter_context(_compat.use(engine, EngineContext))
             context = serialize_context(
                 asset_ctx_kwargs={
                     "task": task,
@@ -216,9 +215,6 @@ class TaskSubmitter:
                     "copy_to_child_ctx": True,
                 }
             )
-        finally:
-            for var, token in reversed(resets):
-                var.reset(token)
         # The same Shared as prepare_workers sent: keyed on the same stand-in.
         context["settings_context"] = self._share("settings", settings, context["settings_context"])
         if engine is not None:

@@ -120,7 +120,10 @@ def _split_compute(
     unpacked, repack = unpack_collections(*collections)
     if not unpacked:
         return collections
-    graph, keys = _compat.finalized_graph(unpacked)
+    finalized = _compat.finalized_graph(unpacked)
+    if finalized is None:  # dask's graph internals moved: computed whole, as Dask would
+        return None
+    graph, keys = finalized
     shape = graph_shape(graph, keys)
     plan = split_graph(graph, keys, len(workers), share_speeds.speeds(shape, workers))
     if plan is None:

@@ -45,8 +45,6 @@ from prefect_gpu_dask.worker.tag_limits import TagLimits
 
 logger = logging.getLogger(__name__)
 
-_SETTINGS = _compat.context_var(SettingsContext)
-_CLIENTS = _compat.context_var(SyncClientContext)
 
 _worker_cache: OrderedDict[str, Any] = OrderedDict()
 _worker_lock = threading.Lock()
@@ -121,12 +119,9 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
     def build() -> tuple[SettingsContext, SyncClientContext]:
         prepare_process()
         settings = SettingsContext(**cloudpickle.loads(shared.blob))
-        reset = _SETTINGS.set(settings)
-        try:
+        with _compat.use(settings):
             clients = SyncClientContext()
             clients.client.__enter__()  # kept open for the life of the worker
-        finally:
-            _SETTINGS.reset(reset)
         return settings, clients
 
     return _cached(f"settings-{shared.token}", build)
@@ -139,13 +134,8 @@ def _in_flow_run(settings: SettingsContext, clients: SyncClientContext) -> Itera
     API: flow runs sharing this worker may each report to an API of their own, and
     Prefect's events worker would otherwise send them all to the first one's
     (``_compat.events_per_api_url``)."""
-    settings_reset, clients_reset = _SETTINGS.set(settings), _CLIENTS.set(clients)
-    try:
-        with _compat.events_per_api_url():
-            yield
-    finally:
-        _CLIENTS.reset(clients_reset)
-        _SETTINGS.reset(settings_reset)
+    with _compat.use(settings), _compat.use(clients), _compat.events_per_api_url():
+        yield
 
 
 def prepare_flow_run(shared_settings: Shared) -> None:
