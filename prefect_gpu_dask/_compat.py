@@ -365,6 +365,21 @@ def current_worker() -> Any:
         return None
 
 
+@fail_safe("a recycling worker kept from new tasks", _none)
+def pause_worker(dask_scheduler: Any, address: str, stimulus_id: str) -> None:
+    """Give a worker no new tasks from now on (as its own ``paused`` status would).
+    Public replacement: a ``Scheduler`` method to pause a worker from outside it."""
+    dask_scheduler.handle_worker_status_change("paused", address, stimulus_id)
+
+
+@fail_safe("a task run whose worker died ending Crashed, run once", _none)
+def annotate(ts: Any, marks: dict[str, Any]) -> None:
+    """Add ``marks`` to a scheduler task's annotations, which travel with it to the
+    worker that runs it next. Public replacement: annotations set on a task after
+    submission (only ``dask.annotate`` at graph time exists)."""
+    ts.annotations = {**(ts.annotations or {}), **marks}
+
+
 @fail_safe("handing queued work back before a recycle", _none)
 def reschedule(dask_scheduler: Any, key: str, worker: str, stimulus_id: str) -> None:
     """Send a task a worker holds but never started back to the scheduler.

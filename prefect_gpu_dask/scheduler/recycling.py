@@ -187,7 +187,7 @@ async def restart_if_safe(
     old = {address: dask_scheduler.workers[address] for address in addresses}
     for address in addresses:
         # Paused workers get no new tasks between this check and the restart.
-        dask_scheduler.handle_worker_status_change("paused", address, stimulus)
+        _compat.pause_worker(dask_scheduler, address, stimulus)
     if whole_cluster:
         # What client.restart() does: forget every task, restart every worker.
         await dask_scheduler.restart(timeout=timeout, stimulus_id=stimulus, wait_for_workers=False)
@@ -305,7 +305,7 @@ def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -
     for key in keys:
         ts = dask_scheduler.tasks.get(key)
         if ts is not None:
-            ts.annotations = {**(ts.annotations or {}), INTERRUPTED: worker, STARTED_THERE: True}
+            _compat.annotate(ts, {INTERRUPTED: worker, STARTED_THERE: True})
 
 
 class InterruptedTasks(SchedulerPlugin):
@@ -417,7 +417,7 @@ class InterruptedTasks(SchedulerPlugin):
                 and not ts.who_has
                 and (ts.annotations or {}).get(TASK_RUN)
             ):
-                ts.annotations = {**(ts.annotations or {}), RESULT_LOST: ended or True}
+                _compat.annotate(ts, {RESULT_LOST: ended or True})
         elif start == "processing":
             queued_on = self.running_on.pop(key, None)
             started_on = self.started.pop(key, None)
@@ -436,4 +436,4 @@ class InterruptedTasks(SchedulerPlugin):
                 marks = {INTERRUPTED: queued_on}
             else:
                 return
-            ts.annotations = {**(ts.annotations or {}), **marks}
+            _compat.annotate(ts, marks)
