@@ -25,6 +25,7 @@ from dask.utils import format_bytes
 
 from prefect_gpu_dask import nvml
 from prefect_gpu_dask.host_cluster import HostCluster, find_host_cluster
+from prefect_gpu_dask.jobqueue import job_mismatch, worker_jobs
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
@@ -378,6 +379,7 @@ def cluster_findings(address: str, security: Any = None, label: str = "cluster")
     try:
         with Client(address, security=security, timeout=CONNECT_TIMEOUT_S, set_as_default=False) as client:
             info = client.scheduler_info(n_workers=-1)
+            jobs = worker_jobs(client, info.get("workers", {}))  # batch jobs (Slurm...)
     except Exception as exc:
         return [
             Finding(label, FAIL, f"{address} does not answer: {exc}", "check the address and --tls-* files")
@@ -387,14 +389,23 @@ def cluster_findings(address: str, security: Any = None, label: str = "cluster")
     findings = [Finding(label, OK, f"{address} ({tls}), {len(workers)} worker(s)")]
     for worker_address, worker in sorted(workers.items(), key=lambda item: str(item[1].get("name"))):
         resources = worker.get("resources", {})
+        job = jobs.get(worker_address)
+        in_job = f" ({job.describe()})" if job is not None else ""
         model = next((n[4:] for n in resources if n.startswith("GPU-") and n != "GPU-MEM"), None)
         slots = resources.get(GPU_RESOURCE, 0)
         if slots:
             memory = f", {format_bytes(int(resources['GPU-MEM']))}" if "GPU-MEM" in resources else ""
             detail = f"{worker_address}: {GPU_RESOURCE}={slots:g}" + (f", {model}{memory}" if model else "")
+            detail += in_job
             findings.append(Finding(f"worker {worker.get('name')}", OK, detail, gpu_ready=True))
         else:
-            findings.append(Finding(f"worker {worker.get('name')}", INFO, f"{worker_address}: no GPU slot"))
+            detail = f"{worker_address}: no GPU slot{in_job}"
+            findings.append(Finding(f"worker {worker.get('name')}", INFO, detail))
+        if (mismatch := job_mismatch(resources, job)) is not None:
+            findings.append(Finding(f"worker {worker.get('name')}", WARN, *mismatch))
+    if jobs:
+        ids = sorted({f"{j.system} {j.job_id}" for j in jobs.values()})
+        findings.append(Finding(label, INFO, f"{len(ids)} batch job(s): {', '.join(ids)}"))
     if not any(f.gpu_ready for f in findings):
         findings.append(
             Finding(

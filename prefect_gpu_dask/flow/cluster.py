@@ -26,8 +26,9 @@ from distributed.comm import CommClosedError
 from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
-from prefect_gpu_dask import forkserver, nvml
+from prefect_gpu_dask import forkserver, jobqueue, nvml
 from prefect_gpu_dask.host_cluster import FLOW_RUN_CLIENT, HostCluster, find_host_cluster
+from prefect_gpu_dask.jobqueue import import_later as import_later  # the runner's
 from prefect_gpu_dask.resources import GPU_RESOURCE
 
 if TYPE_CHECKING:
@@ -135,9 +136,7 @@ def adapt(cluster: Any, adapt_kwargs: dict[str, Any]) -> None:
 def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[..., Any]:
     if callable(cluster_class):
         return cluster_class
-    from prefect.utilities.importtools import from_qualified_name
-
-    return from_qualified_name(cluster_class)
+    return jobqueue.import_cluster_class(cluster_class)  # dask-jobqueue's import wants the main thread
 
 
 def local_cluster_config(fail_without_workers: bool) -> dict[str, Any]:
@@ -304,6 +303,7 @@ def _start_cluster(runner: GPUDaskTaskRunner) -> None:
     else:
         cluster_class = default_cluster_class(runner.logger)
     kwargs = local_cluster_kwargs(cluster_class, runner.cluster_kwargs)
+    kwargs = jobqueue.slurm_cluster_kwargs(cluster_class, kwargs, runner.logger)
     if runner.security is not None:
         kwargs.setdefault("security", runner.security)
     runner.logger.info("Creating a new Dask cluster with `%s`", cluster_class_name(cluster_class))

@@ -152,10 +152,11 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._user_client_kwargs = dict(client_kwargs or {})
         if security is not None:
             client_kwargs = {**self._user_client_kwargs, "security": security}
-        # On a Dask worker (where Prefect re-creates the runner) the cluster class is not
-        # imported: some (dask-jobqueue's) set a signal handler at import, which only the
-        # main thread may do. The flow side imports it here, so a typo fails at once.
-        deferred = isinstance(cluster_class, str) and current_worker() is not None
+        # On a Dask worker (where Prefect re-creates the runner), or off the main thread
+        # (Prefect loads a deployment's flow in a worker thread), the cluster class is not
+        # imported yet: some (dask-jobqueue's) set a signal handler at import, which only the
+        # main thread may do. Elsewhere it is imported here, so a typo fails at once.
+        deferred = clusters.import_later(cluster_class)
         super().__init__(
             cluster=cluster,
             address=address,

@@ -275,7 +275,12 @@ def _replaces(candidate: Any, old: Any, cluster: Any) -> bool:
     if cluster is None:
         return True
     current = cluster.workers.get(old.name)  # the nanny (or in-process worker) it now runs
-    return current is not None and getattr(current, "address", None) in (candidate.nanny, candidate.address)
+    if current is None:
+        return False
+    # A batch job (dask-jobqueue's SLURMCluster...) has no address: its nanny restarts the
+    # worker inside the job, under the same name.
+    address = getattr(current, "address", None)
+    return address is None or address in (candidate.nanny, candidate.address)
 
 
 def lost(why: str) -> dict[str, Any]:
