@@ -37,12 +37,16 @@ def slurm_missing() -> str | None:
     """Why the slurm tests cannot run here; None where a Slurm with gres/gpu answers."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return "no Slurm here (sinfo/sbatch missing): .ci/slurm/start starts one"
+    # Without a configuration sinfo would ask DNS for a controller: nothing leaves the machine.
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+    if not os.path.exists(conf):
+        return f"no Slurm configured here ({conf} missing): .ci/slurm/start starts one"
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%a %G"], capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
         return "sinfo does not answer within 10 s"
     if out.returncode != 0:
-        return f"Slurm does not answer: {out.stderr.strip()[:200]}"
+        return f"Slurm does not answer: {out.stderr.strip().splitlines()[-1:]}"
     if not any(line.startswith("up") and "gpu" in line for line in out.stdout.splitlines()):
         return f"no partition up with gres/gpu: {out.stdout.strip()!r}"
     # Not imported here: the workers import this module (its tasks) off their main thread,
