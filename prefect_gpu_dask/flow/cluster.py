@@ -27,6 +27,7 @@ from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 from prefect_gpu_dask import forkserver, jobqueue, nvml
+from prefect_gpu_dask.flow.resource_wait import worker_start_error
 from prefect_gpu_dask.host_cluster import FLOW_RUN_CLIENT, HostCluster, find_host_cluster
 from prefect_gpu_dask.jobqueue import import_later as import_later  # the runner's
 from prefect_gpu_dask.resources import GPU_RESOURCE
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 
 
 LOOPBACK = "127.0.0.1"
-# How long a scheduler keeps a task nobody can run before failing it ("error" mode).
-NO_WORKERS_TIMEOUT = "10s"
+# A scheduler the runner starts fails a task that no worker can run this long after
+# gpu_wait_s, Dask's own backstop to the flow's wait (``flow.resource_wait``).
+NO_WORKERS_KEY = "distributed.scheduler.no-workers-timeout"
+NO_WORKERS_GRACE_S = 10.0
 # More than one thread per GPU worker overlaps Python overhead with GPU work and lets
 # a gpu task's own Dask graph run beside it (docs/performance.md). gpu-tagged tasks
 # still take the GPU one at a time.
@@ -139,11 +142,13 @@ def resolve_cluster_class(cluster_class: str | Callable[..., Any]) -> Callable[.
     return jobqueue.import_cluster_class(cluster_class)  # dask-jobqueue's import wants the main thread
 
 
-def local_cluster_config(fail_without_workers: bool) -> dict[str, Any]:
-    """Dask settings for a cluster the runner starts, where the user kept Dask's default."""
+def local_cluster_config(gpu_wait_s: float | None) -> dict[str, Any]:
+    """Dask settings for a cluster the runner starts, where the user kept Dask's default:
+    with ``gpu_wait_s``, its scheduler fails a task no worker can run
+    ``NO_WORKERS_GRACE_S`` after the flow's own wait would have."""
     config: dict[str, Any] = {}
-    if fail_without_workers:
-        config["distributed.scheduler.no-workers-timeout"] = NO_WORKERS_TIMEOUT
+    if gpu_wait_s is not None and dask.config.get(NO_WORKERS_KEY, None) is None:
+        config[NO_WORKERS_KEY] = f"{gpu_wait_s + NO_WORKERS_GRACE_S:g}s"
     # Dask's statistical profiler walks every worker thread's stack each interval while
     # holding the worker's GIL, which each task run's Prefect engine needs too; a coarser
     # interval keeps the dashboard's profile.
@@ -307,8 +312,14 @@ def _start_cluster(runner: GPUDaskTaskRunner) -> None:
     if runner.security is not None:
         kwargs.setdefault("security", runner.security)
     runner.logger.info("Creating a new Dask cluster with `%s`", cluster_class_name(cluster_class))
-    config = local_cluster_config(runner.settings.on_missing_gpu == "error" and not runner.adapt_kwargs)
-    runner._cluster = start_local_cluster(cluster_class, kwargs, runner._exit_stack, config)
+    config = local_cluster_config(runner.settings.gpu_wait_s)
+    try:
+        runner._cluster = start_local_cluster(cluster_class, kwargs, runner._exit_stack, config)
+    except RuntimeError as exc:  # distributed's "Nanny failed to start": say the worker's own error
+        if (why := worker_start_error(exc)) is None:
+            raise
+        name = cluster_class_name(cluster_class).rsplit(".", 1)[-1]
+        raise RuntimeError(f"The {name} this flow run started could not start its workers: {why}") from exc
     runner._made_cluster = True
     if runner.adapt_kwargs:
         adapt(runner._cluster, runner.adapt_kwargs)

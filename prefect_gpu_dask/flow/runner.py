@@ -33,7 +33,7 @@ from prefect_gpu_dask.flow import reporting
 from prefect_gpu_dask.flow.heap import release_freed_heap_soon
 from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
-from prefect_gpu_dask.flow.resource_wait import ResourceWait
+from prefect_gpu_dask.flow.resource_wait import FailedRuns, ResourceWait, WorkerStartErrors, remember_task
 from prefect_gpu_dask.flow.routing import TagRouter, WorkerOffers
 from prefect_gpu_dask.flow.submission import TaskSubmitter
 from prefect_gpu_dask.records import (
@@ -257,7 +257,16 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             # Before the first subscription: on a shared cluster, another flow run's
             # hung-task and leak events reach this client too, and must not be taken for ours.
             self._note_flow_run()
-            client, self._can_grow = clusters.start_or_join(self)
+            # A nanny of a cluster started here logs its worker's start error, which a
+            # task that no worker can run then names.
+            start_errors = WorkerStartErrors().attach()
+            try:
+                client, self._can_grow = clusters.start_or_join(self)
+            finally:
+                if self._made_cluster:
+                    self._exit_stack.callback(start_errors.detach)
+                else:
+                    start_errors.detach()
             self._offers = WorkerOffers.of_client(client)
             self._recycler = Recycler(
                 client, self.settings.restart, self.logger, on_restart=self._on_restart, ours=self._ours
@@ -268,6 +277,16 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 self.logger,
                 self.settings.on_missing_gpu,
                 on_interrupted=self._recycler.crash_interrupted,
+                address=client.scheduler.address,
+                start_errors=start_errors.texts,
+                failed_runs=FailedRuns(self._recycler._futures.get, lambda: self._flow_run_id, self.logger),
+            )
+            # No worker at all: every task waits gpu_wait_s for one, on any cluster; a worker
+            # being recycled is coming back.
+            self._resource_wait.watch_workers(
+                self._recycler.unfinished_keys,
+                self.settings.gpu_wait_s,
+                restarting=lambda: bool(self._recycler._pending),
             )
             self._recycler.start()
             self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait, self.settings)
@@ -305,7 +324,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         offered = self._offers.refresh()
         if self.settings.guard == "off":
             return
-        if not any(uses_gpu(r) for r in offered) and not self._can_grow:
+        if not offered:
+            self.logger.warning(
+                "The Dask cluster at %s has no worker yet: a task run that none joins for within "
+                "gpu_wait_s=%g s fails",
+                client.scheduler.address,
+                self.settings.gpu_wait_s,
+            )
+        elif not any(uses_gpu(r) for r in offered) and not self._can_grow:
             self.logger.info("No GPU workers in this cluster: the GPU memory guard is a no-op")
             return
         self._live = reporting.LivePublisher(self.logger)
@@ -366,6 +392,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 host_gpu_lock=self.settings.host_gpu_lock,
             )
             future = self._submitter.submit(task, route, parameters, wait_for, dependencies)
+        remember_task(future, task)  # a run no worker starts gets its Failed record from it
         if self._on_ephemeral_api:  # its process keeps the server up until it is recorded
             count_when_done(future)
         return future

@@ -46,13 +46,14 @@ def test_started_clusters_sample_profiles_coarser_unless_the_user_chose_an_inter
 
     from prefect_gpu_dask.flow.cluster import PROFILE_INTERVAL, local_cluster_config
 
-    assert local_cluster_config(fail_without_workers=False) == {PROFILE_INTERVAL: "100ms"}
-    assert local_cluster_config(fail_without_workers=True) == {
-        "distributed.scheduler.no-workers-timeout": "10s",
+    assert local_cluster_config(gpu_wait_s=None) == {PROFILE_INTERVAL: "100ms"}
+    # Dask's own no-workers timeout backs the flow's gpu_wait_s up, 10 s later.
+    assert local_cluster_config(gpu_wait_s=5) == {
+        "distributed.scheduler.no-workers-timeout": "15s",
         PROFILE_INTERVAL: "100ms",
     }
-    with dask.config.set({PROFILE_INTERVAL: "5ms"}):
-        assert local_cluster_config(fail_without_workers=False) == {}
+    with dask.config.set({PROFILE_INTERVAL: "5ms", "distributed.scheduler.no-workers-timeout": "1h"}):
+        assert local_cluster_config(gpu_wait_s=5) == {}
 
 
 def test_the_fork_server_imports_dask_cuda_only_for_cuda_workers_and_freezes_its_heap_last():
