@@ -2,9 +2,9 @@
 
 CI starts Slurm with ``.ci/slurm/start`` (slurmctld and slurmd on 127.0.0.1, two stand-in
 GPUs as ``gres/gpu``). The tests marked ``slurm`` skip where ``sinfo`` is missing or no
-partition with ``gres/gpu`` answers. Each job runs one worker (``--gres=gpu:1``, labelled
-``GPU=1``); the scheduler runs in this process, as a flow run's would. Times go to the
-test's output (``-s``) for docs/clusters.md.
+partition with ``gres/gpu`` answers; the two trap tests at the end need dask-jobqueue only.
+Each job runs one worker (``--gres=gpu:1``, labelled ``GPU=1``); the scheduler runs in this
+process, as a flow run's would. Times go to the test's output (``-s``) for docs/clusters.md.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def slurm_missing() -> str | None:
 
 
 SKIP = slurm_missing()
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+needs_jobqueue = pytest.mark.skipif(
+    importlib.util.find_spec("dask_jobqueue") is None, reason="dask-jobqueue is not installed"
+)
 
 
 def node_memory_mb() -> int:
@@ -134,6 +136,8 @@ def on_gpu_job(info: dict) -> bool:
     return bool(info["job"]) and bool(info["job_gpus"]) and info["resources"] == {"GPU": 1}
 
 
+@pytest.mark.slurm
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_gpu_tasks_wait_for_the_first_job_of_an_adaptive_cluster_from_zero(tmp_path):
     ledger = str(tmp_path / "ledger")
     kwargs = slurm_kwargs(tmp_path / "jobs")
@@ -210,6 +214,8 @@ def end_a_job_under_a_task(tmp_path, end_job, **cluster_extra) -> dict:
     return out
 
 
+@pytest.mark.slurm
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_a_job_cancelled_mid_task_crashes_that_task_run_once_and_the_flow_goes_on(tmp_path):
     out = end_a_job_under_a_task(tmp_path, lambda job: subprocess.run(["scancel", job], check=True))
     print(
@@ -218,6 +224,8 @@ def test_a_job_cancelled_mid_task_crashes_that_task_run_once_and_the_flow_goes_o
     )
 
 
+@pytest.mark.slurm
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_a_job_reaching_its_walltime_mid_task_crashes_that_task_run_once(tmp_path):
     # One minute is Slurm's shortest limit; slurmctld checks limits every 30 s or so.
     # --mem-per-gpu beside SLURMCluster's own --mem: the runner leaves --mem out.
@@ -285,6 +293,8 @@ def keeping(address: str, threshold: str) -> tuple[dict, dict, object]:
     return kept, after, read_flow_run_gpu_report(state.state_details.flow_run_id)
 
 
+@pytest.mark.slurm
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_flow_runs_on_one_slurm_cluster_keep_their_settings_and_a_leak_restarts_the_worker_in_its_job(
     slurm_cluster,
 ):
@@ -306,6 +316,8 @@ def test_flow_runs_on_one_slurm_cluster_keep_their_settings_and_a_leak_restarts_
     assert [job for job, _ in squeue(slurm_cluster.job_name)] == [kept["job"]]
 
 
+@pytest.mark.slurm
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_doctor_reports_the_gpu_workers_and_their_slurm_jobs(slurm_cluster, prefect_api):
     address = slurm_cluster.scheduler_address
     began = time.monotonic()
@@ -332,3 +344,60 @@ def test_doctor_reports_the_gpu_workers_and_their_slurm_jobs(slurm_cluster, pref
     assert len(workers) == 1 and workers[0]["gpu_ready"], workers
     assert f"slurm job {job}, GPUs " in workers[0]["detail"], workers
     assert any(f["detail"] == f"1 batch job(s): slurm {job}" for f in report["findings"]), report
+
+
+# -- the traps, without Slurm ----------------------------------------------------------
+
+OFF_MAIN_THREAD = """
+import sys, threading
+from prefect_gpu_dask import GPUDaskTaskRunner
+from prefect_gpu_dask.flow.cluster import resolve_cluster_class
+
+def in_thread():
+    runner = GPUDaskTaskRunner(cluster_class="dask_jobqueue.SLURMCluster")  # as a deployment's load does
+    assert "dask_jobqueue" not in sys.modules
+    try:
+        resolve_cluster_class(runner.cluster_class)  # a cluster started off the main thread
+    except ValueError as exc:
+        print("ERROR", exc)
+
+thread = threading.Thread(target=in_thread)
+thread.start()
+thread.join()
+print("MAIN", resolve_cluster_class("dask_jobqueue.SLURMCluster").__name__)
+"""
+
+
+@needs_jobqueue
+def test_a_runner_made_off_the_main_thread_imports_dask_jobqueue_only_as_its_cluster_starts():
+    out = subprocess.run(
+        [sys.executable, "-c", OFF_MAIN_THREAD], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    error, main = out.stdout.strip().splitlines()[-2:]
+    assert error.startswith("ERROR cluster_class='dask_jobqueue.SLURMCluster' cannot be imported in thread")
+    assert "only in the main thread" in error and "`import dask_jobqueue`" in error
+    assert main == "MAIN SLURMCluster"
+
+
+@needs_jobqueue
+def test_mem_per_gpu_leaves_slurmclusters_own_mem_out(caplog):
+    import logging
+
+    from dask_jobqueue import SLURMCluster
+
+    from prefect_gpu_dask.jobqueue import slurm_cluster_kwargs
+
+    given = {"cores": 1, "memory": "2GB", "job_extra_directives": ["--gres=gpu:1", "--mem-per-gpu=8G"]}
+    with caplog.at_level(logging.INFO):
+        kwargs = slurm_cluster_kwargs(SLURMCluster, given, logging.getLogger("test"))
+    assert "--mem-per-gpu=8G" in caplog.text and "--mem is left out" in caplog.text
+    assert kwargs["job_directives_skip"] == ["--mem"] and "job_directives_skip" not in given
+    loopback = {"host": "127.0.0.1", "dashboard_address": ":0"}
+    with SLURMCluster(**kwargs, scheduler_options=loopback) as cluster:
+        script = cluster.job_script()
+    assert "#SBATCH --mem-per-gpu=8G" in script and "--mem=" not in script, script
+    assert "--memory-limit 1.86GiB" in script  # the worker's limit still comes from memory
+    # Without a per-GPU or per-CPU request, nothing changes.
+    plain = {"memory": "2GB", "job_extra_directives": ["--gres=gpu:1"]}
+    assert slurm_cluster_kwargs(SLURMCluster, plain, logging.getLogger("test")) == plain
