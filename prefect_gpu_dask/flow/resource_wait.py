@@ -42,6 +42,8 @@ from prefect_gpu_dask.scheduler.fallback import fail, release, stranded
 WATCH_TICK_S = 1.0
 # ... and at least this long, a tenth of the wait between.
 WATCH_MIN_TICK_S = 0.1
+# How long a flow run's end waits for failed task runs' records to reach Prefect's API.
+RECORD_WAIT_S = 10.0
 # Where the flow keeps the Prefect task of a run it submitted: a run no worker ever
 # started has no record in Prefect's API, and its ``Failed`` one is made from the task.
 TASK_ATTRIBUTE = "_prefect_gpu_dask_task"
@@ -112,6 +114,8 @@ class FailedRuns:
         self._logger = logger
         # Made in the flow's thread: the API calls run in its context (settings, API URL).
         self._context = contextvars.copy_context()
+        self._recorded = threading.Event()  # no record under way
+        self._recorded.set()
 
     def settle(self, keys: Iterable[str], message: str) -> dict[str, Any]:
         """Give ``keys``' futures that have no final state yet a ``Failed`` one."""
@@ -137,7 +141,18 @@ class FailedRuns:
 
     def record(self, futures: Iterable[Any], message: str) -> None:
         """Write the ``Failed`` state of ``futures``' task runs to Prefect's API."""
-        self._context.copy().run(self._record, list(futures), message)
+        futures = list(futures)
+        if not futures:
+            return
+        self._recorded.clear()
+        try:
+            self._context.copy().run(self._record, futures, message)
+        finally:
+            self._recorded.set()
+
+    def wait_recorded(self, timeout: float) -> None:
+        """Let a record under way reach the API before the flow run ends (at most ``timeout``)."""
+        self._recorded.wait(timeout)
 
     def _record(self, futures: list[Any], message: str) -> None:
         from prefect.client.orchestration import get_client
@@ -272,6 +287,8 @@ class ResourceWait:
         self._closed = True
         self._stop.set()
         self._wake.set()
+        if self._failed_runs is not None:
+            self._failed_runs.wait_recorded(RECORD_WAIT_S)
 
     def _run(self) -> None:
         while not self._closed:
@@ -362,8 +379,8 @@ class ResourceWait:
         # finds the state as well.
         settled = self._failed_runs.settle(tasks, message) if self._failed_runs is not None else {}
         failed = self._client.run_on_scheduler(fail, keys=list(tasks), message=message)
+        if failed:
+            self._logger.error("%s: %d task run(s) fail", message, len(failed))
         if self._failed_runs is not None:
             self._failed_runs.unsettle(f for k, f in settled.items() if k not in failed)  # a worker took it
             self._failed_runs.record((settled[k] for k in failed if k in settled), message)
-        if failed:
-            self._logger.error("%s: %d task run(s) fail", message, len(failed))

@@ -160,3 +160,25 @@ def test_a_nannys_logged_start_error_is_kept_as_the_workers_own():
         errors.detach()
     logging.getLogger("distributed.nanny").error("after", exc_info=ValueError("not heard"))
     assert errors.texts() == [f"ModuleNotFoundError: {MISSING}"]
+
+
+def test_an_adaptive_cluster_whose_workers_cannot_start_fails_tasks_within_the_wait():
+    runner = GPUDaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={"n_workers": 0, "threads_per_worker": 1},
+        adapt_kwargs={"minimum": 0, "maximum": 1},
+        gpu_wait_s=WAIT_S,
+    )
+
+    @flow(task_runner=runner)
+    def from_zero():
+        started = time.monotonic()
+        future = plain.submit()
+        future.wait(timeout=WAIT_S + 60)
+        return future.state, time.monotonic() - started
+
+    with dask.config.set({"distributed.worker.preload": ["no_such_preload_for_tests"]}):
+        state, took = from_zero()
+    assert state.type == StateType.FAILED, state
+    assert MISSING in state.message and "none joined within" in state.message, state.message
+    assert WAIT_S - 0.5 <= took < WAIT_S + MARGIN_S, took
