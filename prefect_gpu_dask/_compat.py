@@ -352,6 +352,18 @@ def started_ephemeral_api_server() -> Any:
     return server
 
 
+def scheduler_metadata(keys: list[str]) -> Any:
+    """``Client.get_metadata(keys, default=None)`` from a task's thread on a worker, over
+    the worker's own connection to its scheduler: a worker client would be one more
+    connection and event-loop client per worker process. Public replacement: a
+    ``Worker.get_metadata``."""
+    from distributed import get_worker
+    from distributed.utils import sync
+
+    worker = get_worker()
+    return sync(worker.loop, worker.scheduler.get_metadata, keys=list(keys), default=None)
+
+
 def current_worker() -> Any:
     """The Dask worker this code runs in (a task's thread or the worker's event loop),
     or None outside any worker. Public replacement: a ``distributed.get_worker()`` that

@@ -36,3 +36,18 @@ def _shared_from(token: str, blob: bytes) -> Shared:
 def seal(**prefect_objects: Any) -> bytes:
     """This task run's own Prefect objects (its inputs, its run context), as bytes."""
     return cloudpickle.dumps(prefect_objects)
+
+
+class SharedRef:
+    """A ``Shared`` as each task run carries it: its token and where its blob waits on
+    the scheduler (``Client.set_metadata`` under ``keys``). A worker fetches the blob
+    once per process; the task runs' payloads, which the scheduler keeps while their
+    futures live, hold no copy of it."""
+
+    __slots__ = ("token", "keys")
+
+    def __init__(self, token: str, keys: tuple[str, ...]):
+        self.token, self.keys = token, keys
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SharedRef, (self.token, self.keys))

@@ -486,6 +486,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             if self._recycler is not None:
                 # A remote cluster outlives the flow: finish its restarts. A local one is closing.
                 self._recycler.close(wait=connected and not self._made_cluster)
+            if self._submitter is not None and connected and not self._made_cluster:
+                self._submitter.close()  # a scheduler that outlives the flow run keeps none of it
             if self._live is not None:
                 self._live.close()
             if self._guard_on and self._flow_run_id and connected:

@@ -34,7 +34,7 @@ from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.results import ReadAhead
 from prefect_gpu_dask.flow.routing import Route
-from prefect_gpu_dask.payload import Shared, seal
+from prefect_gpu_dask.payload import Shared, SharedRef, seal
 from prefect_gpu_dask.records import TASK_RUN
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.deadline import deadline
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHARED_KEPT = 1024  # fixed parts of the task runs submitted lately
+SHARED_METADATA = "prefect-gpu-dask-shared"  # the scheduler's metadata key of the flow runs' blobs
 CLONES_KEPT = 1024  # tasks dressed lately, with what runs around them
 
 
@@ -85,7 +86,11 @@ class TaskSubmitter:
     What is fixed for a flow run travels as ``Shared`` blobs: the task object, the
     settings and the flow-run context (whose result-store block regenerates its JSON
     schema on every dump). Only the task run's own parameters and ids are pickled per
-    task.
+    task. The blobs wait on the scheduler (its metadata, under this submitter's
+    namespace, until ``close``) and a task run carries their tokens (``SharedRef``):
+    the scheduler keeps every task run's payload while its future lives, in the flow's
+    own process on a local cluster, and a copy of each blob per task run was most of
+    what a big flow's process held per task run.
     """
 
     def __init__(
@@ -104,6 +109,8 @@ class TaskSubmitter:
         # Bounded: task objects made on the fly must not all stay alive here.
         self._shared: OrderedDict[tuple[str, int], tuple[Any, Shared]] = OrderedDict()
         self._clones: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
+        self._namespace = uuid4().hex
+        self._refs: dict[str, SharedRef] = {}  # token -> its ref, once its blob is on the scheduler
 
     def submit(
         self,
@@ -186,6 +193,29 @@ class TaskSubmitter:
                 self._shared.popitem(last=False)
         return cached[1]
 
+    def _ref(self, shared: Shared) -> SharedRef:
+        """``shared`` as a task run carries it, its blob left on the scheduler first."""
+        ref = self._refs.get(shared.token)
+        if ref is None:
+            keys = (SHARED_METADATA, self._namespace, shared.token)
+            self._client.set_metadata(list(keys), shared.blob)
+            ref = self._refs[shared.token] = SharedRef(shared.token, keys)
+        return ref
+
+    def close(self) -> None:
+        """Take this flow run's blobs off the scheduler: its task runs have ended."""
+        if not self._refs:
+            return
+        self._refs.clear()
+        try:
+            self._client.run_on_scheduler(_forget_namespace, self._namespace)
+        except Exception as exc:  # a scheduler without this package, a lost connection
+            logger.debug("Could not take this flow run's blobs off the scheduler: %r", exc)
+            try:
+                self._client.set_metadata([SHARED_METADATA, self._namespace], None)
+            except Exception as again:
+                logger.warning("This flow run's task objects stay on the scheduler: %r", again)
+
     def _shared_settings(self) -> Shared:
         """This flow run's settings as its task runs carry them (``serialize_context``'s
         ``settings_context``)."""
@@ -216,9 +246,10 @@ class TaskSubmitter:
                 }
             )
         # The same Shared as prepare_workers sent: keyed on the same stand-in.
-        context["settings_context"] = self._share("settings", settings, context["settings_context"])
+        shared_settings = self._share("settings", settings, context["settings_context"])
+        context["settings_context"] = self._ref(shared_settings)
         if engine is not None:
-            context["flow_run_context"] = self._share("flow", engine, context["flow_run_context"])
+            context["flow_run_context"] = self._ref(self._share("flow", engine, context["flow_run_context"]))
         return context
 
     def _send(
@@ -237,7 +268,7 @@ class TaskSubmitter:
             inputs = {name: deps.union(dependencies.get(name, set())) for name, deps in inputs.items()}
         future = self._client.submit(
             run_prefect_task,
-            task=self._share("task", task, task),
+            task=self._ref(self._share("task", task, task)),
             task_run_id=task_run_id,
             parameters=parameters,
             wait_for=wait_for,
@@ -257,3 +288,8 @@ def _resolved(expr: Any) -> Any:
         return resolved(item) if isinstance(item, PrefectDaskFuture) else item
 
     return visit_collection(expr, visit_fn=visit, return_data=True)
+
+
+def _forget_namespace(namespace: str, dask_scheduler: Any = None) -> None:
+    """On the scheduler: drop one flow run's blobs (``TaskSubmitter.close``)."""
+    dask_scheduler.task_metadata.get(SHARED_METADATA, {}).pop(namespace, None)

@@ -36,7 +36,7 @@ from prefect.task_engine import run_task_async, run_task_sync
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import WorkerDiedError
-from prefect_gpu_dask.payload import Shared
+from prefect_gpu_dask.payload import Shared, SharedRef
 from prefect_gpu_dask.worker.console import write_plainly_where_unseen
 from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
@@ -63,10 +63,24 @@ def _cached(token: str, build: Any) -> Any:
         return value
 
 
-def _unshare(shared: Shared | Any) -> Any:
-    if not isinstance(shared, Shared):
+def _blob(shared: Shared | SharedRef) -> bytes:
+    """``shared``'s blob: carried, or fetched from the scheduler, where the flow run
+    left it for as long as it runs."""
+    if isinstance(shared, Shared):
+        return shared.blob
+    blob = _compat.scheduler_metadata(list(shared.keys))
+    if not isinstance(blob, bytes):
+        raise RuntimeError(
+            f"The scheduler holds no flow-run object {shared.token} for this task run "
+            f"(under {list(shared.keys)}): its flow run has ended or another client removed it"
+        )
+    return blob
+
+
+def _unshare(shared: Shared | SharedRef | Any) -> Any:
+    if not isinstance(shared, (Shared, SharedRef)):
         return shared
-    return _cached(shared.token, lambda: cloudpickle.loads(shared.blob))
+    return _cached(shared.token, lambda: cloudpickle.loads(_blob(shared)))
 
 
 def prepare_process() -> None:
@@ -108,7 +122,7 @@ def _in_a_process_of_its_own() -> bool:
         return False
 
 
-def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientContext]:
+def _settings_and_client(shared: Shared | SharedRef) -> tuple[SettingsContext, SyncClientContext]:
     """Settings and an open API client for this flow run, made once per worker process.
 
     Re-validating settings re-reads the environment, and a fresh ``SyncPrefectClient``
@@ -118,7 +132,7 @@ def _settings_and_client(shared: Shared) -> tuple[SettingsContext, SyncClientCon
 
     def build() -> tuple[SettingsContext, SyncClientContext]:
         prepare_process()
-        settings = SettingsContext(**cloudpickle.loads(shared.blob))
+        settings = SettingsContext(**cloudpickle.loads(_blob(shared)))
         with _compat.use(settings):
             clients = SyncClientContext()
             clients.client.__enter__()  # kept open for the life of the worker
@@ -166,11 +180,11 @@ def _api_state(clients: SyncClientContext, task_run_id: Any) -> Any:
         return None
 
 
-def _tag_limits(shared: Shared, clients: SyncClientContext) -> TagLimits:
+def _tag_limits(shared: Shared | SharedRef, clients: SyncClientContext) -> TagLimits:
     return _cached(f"tag-limits-{shared.token}", lambda: TagLimits(clients.client))
 
 
-def run_task_run(*, task: Shared, context: dict[str, Any], **run_kwargs: Any) -> Any:
+def run_task_run(*, task: Shared | SharedRef, context: dict[str, Any], **run_kwargs: Any) -> Any:
     """Worker side: run one Prefect task run, returning its final ``State``."""
     task = _unshare(task)
     task = screen(task, _compat.current_task_restrictions(), _health)  # a sick GPU's work goes elsewhere
