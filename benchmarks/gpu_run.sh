@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one batch (see ../shared/device/README.md):
 # GPU tests, the GPU flows, the benchmark suite. Output goes to $OUT (default ./gpu-out).
-#   PHASES=tests,flows,probes,host,sqlite,bench (default: all six)   BENCH_ARGS="--sections cube,scaling"
+#   PHASES=tests,flows,probes,busy,host,sqlite,bench (default: all but busy)   BENCH_ARGS="--sections cube,scaling"
 # Carry [".whl"] (../shared/device/make-wheels, plus this project's own wheel,
 # `pip wheel --no-deps -w .whl .`, for its entry points: the code itself runs from the tree),
 # and ".pg" (benchmarks/pack_postgres.sh) for the benchmarks' PostgreSQL rounds.
@@ -88,6 +88,16 @@ if [[ $PHASES == *probes* ]]; then
   step 120 "$OUT/probe-cold-start.txt" sh -c \
     'for i in 1 2 3; do PREFECT_HOME=$(mktemp -d) python3 benchmarks/probes/cold_start.py 2>/dev/null; done'
   tail -n 12 "$OUT"/probe-*.txt
+fi
+if [[ $PHASES == *busy* ]]; then  # several flow runs on one GPU at once (benchmarks/busy_night.py)
+  for flows in 4 8; do
+    for mode in default host-cluster; do
+      extra=$([ $mode = host-cluster ] && echo --host-cluster)
+      step 280 "$OUT/busy-$flows-$mode.txt" python3 benchmarks/busy_night.py --flows $flows $extra \
+        --hold ${BUSY_HOLD:-8} --run-timeout 240 --out "$OUT/busy-$flows-$mode.json"
+      tail -14 "$OUT/busy-$flows-$mode.txt"
+    done
+  done
 fi
 if [[ $PHASES == *host* ]]; then  # flow runs sharing one GPU host; the operator's commands
   for flows in 2 4; do
