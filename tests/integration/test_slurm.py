@@ -67,6 +67,12 @@ def node_memory_mb() -> int:
     return min(int(re.sub(r"\D", "", v) or 0) for v in out.split())
 
 
+def node_gpus() -> int:
+    """GPUs (gres/gpu) of the node, as sinfo says: ``gpu:ci:2`` -> 2."""
+    out = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True, timeout=10).stdout
+    return max((int(n) for n in re.findall(r"gpu(?::[^:,(\s]+)?:(\d+)", out)), default=0)
+
+
 def slurm_kwargs(log_dir: Path, **extra) -> dict:
     """The runner's cluster_kwargs: one worker per job on one GPU, all on 127.0.0.1."""
     memory_mb = max(256, min(2000, node_memory_mb() // 2))  # two jobs fit the node
@@ -248,6 +254,81 @@ def test_a_job_reaching_its_walltime_mid_task_crashes_that_task_run_once(tmp_pat
     assert out["crashed_s"] >= 20  # the job's limit ended it, not something earlier
 
 
+def sbatch_example() -> str:
+    """docs/clusters.md's sbatch script of a long-lived GPU cluster."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "clusters.md").read_text(), re.S)
+    [script] = [b for b in blocks if "#SBATCH -J dask-gpu" in b]
+    return script
+
+
+def make_tls(directory: Path) -> None:
+    """The docs' own recipe: a CA, a node certificate and a client certificate."""
+    key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1".split()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", *key, "-subj", "/CN=dask-ca", "-keyout", "ca-key.pem", "-out", "ca.pem")
+    for name in ("node", "client"):
+        openssl("req", *key, "-subj", f"/CN=dask-{name}", "-keyout", f"{name}-key.pem", "-out", f"{name}.csr")
+        signed = ["-CA", "ca.pem", "-CAkey", "ca-key.pem", "-CAcreateserial", "-days", "1"]
+        openssl("x509", "-req", "-in", f"{name}.csr", *signed, "-out", f"{name}.pem")
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(SKIP is not None or shutil.which("openssl") is None, reason=SKIP or "no openssl")
+def test_the_docs_sbatch_cluster_serves_gpu_tasks_to_a_flow_joining_by_address(tmp_path):
+    from distributed import Security
+
+    make_tls(tmp_path)
+    script = tmp_path / "gpu-cluster.sbatch"
+    # Here: no CUDA (plain workers stand in for dask cuda worker's one per GPU), loopback.
+    gpus = min(2, node_gpus())
+    script.write_text(sbatch_example().replace("127.0.0.1:8787", "127.0.0.1:0"))
+    env = {
+        **os.environ,
+        "NET": "lo",
+        "TLS": str(tmp_path),
+        "WORKER": f"dask worker --nworkers {gpus}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    # This node's size, given on the command line over the script's own #SBATCH lines.
+    began = time.monotonic()
+    sbatch = ["sbatch", "--parsable", "-N", "1", f"--gres=gpu:{gpus}", "--cpus-per-task=2", "-t", "10"]
+    sbatch += [f"--mem={max(256, node_memory_mb() // 2)}M", "-o", "job.out", str(script)]
+    job = subprocess.run(
+        sbatch, cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    try:
+        scheduler_file = tmp_path / f"dask-{job}.json"
+        deadline = time.monotonic() + 120
+        while not scheduler_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert scheduler_file.exists(), f"job {job} never started its scheduler: {job_info(job)}"
+        address = json.loads(scheduler_file.read_text())["address"]
+        assert address.startswith("tls://127.0.0.1:"), address
+        security = Security(
+            tls_ca_file=str(tmp_path / "ca.pem"),
+            tls_client_cert=str(tmp_path / "client.pem"),
+            tls_client_key=str(tmp_path / "client-key.pem"),
+            require_encryption=True,
+        )
+        ledger = str(tmp_path / "ledger")
+
+        @flow(task_runner=GPUDaskTaskRunner(address=address, security=security, gpu_wait_s=120))
+        def joins() -> list[dict]:
+            return [f.result() for f in [where.submit(ledger, f"t{i}") for i in range(4)]]
+
+        infos = joins()
+        print(f"\nsbatch cluster: 4 gpu tasks done {time.monotonic() - began:.1f} s after sbatch")
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    assert {info["job"] for info in infos} == {job}
+    assert all(info["resources"] == {"GPU": 1} and info["job_gpus"] for info in infos), infos
+    # The step has all of the job's GPUs.
+    assert all(len(info["cuda_visible"].split(",")) == gpus for info in infos), infos
+
+
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
     """One SLURMCluster of one job that several flow runs share (address=...)."""
@@ -344,78 +425,6 @@ def test_doctor_reports_the_gpu_workers_and_their_slurm_jobs(slurm_cluster, pref
     assert len(workers) == 1 and workers[0]["gpu_ready"], workers
     assert f"slurm job {job}, GPUs " in workers[0]["detail"], workers
     assert any(f["detail"] == f"1 batch job(s): slurm {job}" for f in report["findings"]), report
-
-
-def sbatch_example() -> str:
-    """docs/clusters.md's sbatch script of a long-lived GPU cluster."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "clusters.md").read_text(), re.S)
-    [script] = [b for b in blocks if "#SBATCH -J dask-gpu" in b]
-    return script
-
-
-def make_tls(directory: Path) -> None:
-    """The docs' own recipe: a CA, a node certificate and a client certificate."""
-    key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1".split()
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    openssl("req", "-x509", *key, "-subj", "/CN=dask-ca", "-keyout", "ca-key.pem", "-out", "ca.pem")
-    for name in ("node", "client"):
-        openssl("req", *key, "-subj", f"/CN=dask-{name}", "-keyout", f"{name}-key.pem", "-out", f"{name}.csr")
-        signed = ["-CA", "ca.pem", "-CAkey", "ca-key.pem", "-CAcreateserial", "-days", "1"]
-        openssl("x509", "-req", "-in", f"{name}.csr", *signed, "-out", f"{name}.pem")
-
-
-@pytest.mark.slurm
-@pytest.mark.skipif(SKIP is not None or shutil.which("openssl") is None, reason=SKIP or "no openssl")
-def test_the_docs_sbatch_cluster_serves_gpu_tasks_to_a_flow_joining_by_address(tmp_path):
-    from distributed import Security
-
-    make_tls(tmp_path)
-    script = tmp_path / "gpu-cluster.sbatch"
-    # Here: no CUDA (two plain workers stand in for dask cuda worker's one per GPU), loopback.
-    script.write_text(sbatch_example().replace("127.0.0.1:8787", "127.0.0.1:0"))
-    env = {
-        **os.environ,
-        "NET": "lo",
-        "TLS": str(tmp_path),
-        "WORKER": "dask worker --nworkers 2",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }
-    # This node's size, given on the command line over the script's own #SBATCH lines.
-    began = time.monotonic()
-    sbatch = ["sbatch", "--parsable", "-N", "1", "--gres=gpu:2", "--cpus-per-task=2", "-t", "10"]
-    sbatch += [f"--mem={max(256, node_memory_mb() // 2)}M", "-o", "job.out", str(script)]
-    job = subprocess.run(
-        sbatch, cwd=tmp_path, env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    try:
-        scheduler_file = tmp_path / f"dask-{job}.json"
-        deadline = time.monotonic() + 120
-        while not scheduler_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        assert address.startswith("tls://127.0.0.1:"), address
-        security = Security(
-            tls_ca_file=str(tmp_path / "ca.pem"),
-            tls_client_cert=str(tmp_path / "client.pem"),
-            tls_client_key=str(tmp_path / "client-key.pem"),
-            require_encryption=True,
-        )
-        ledger = str(tmp_path / "ledger")
-
-        @flow(task_runner=GPUDaskTaskRunner(address=address, security=security, gpu_wait_s=120))
-        def joins() -> list[dict]:
-            return [f.result() for f in [where.submit(ledger, f"t{i}") for i in range(4)]]
-
-        infos = joins()
-        print(f"\nsbatch cluster: 4 gpu tasks done {time.monotonic() - began:.1f} s after sbatch")
-    finally:
-        subprocess.run(["scancel", job], check=False)
-    assert {info["job"] for info in infos} == {job}
-    assert all(info["resources"] == {"GPU": 1} and info["job_gpus"] for info in infos), infos
-    assert all(info["cuda_visible"] == "0,1" for info in infos), infos  # the step has the job's GPUs
 
 
 # -- the traps, without Slurm ----------------------------------------------------------
