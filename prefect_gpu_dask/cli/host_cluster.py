@@ -150,7 +150,7 @@ def serve(options: ServeOptions, ready: Callable[[HostCluster], None] = lambda h
             cluster_class,
             local_cluster_kwargs(cluster_class, wanted),
             stack,
-            config=local_cluster_config(fail_without_workers=False),
+            config=local_cluster_config(gpu_wait_s=None),
         )
         with Client(cluster, security=security) as client:
             client.register_plugin(GPULabels(), name=GPULabels.name)

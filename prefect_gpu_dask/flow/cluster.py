@@ -6,9 +6,10 @@ worker per GPU, each labelled ``GPU=1``; none gives a CPU ``LocalCluster``. Loca
 clusters bind to loopback only: GPU hosts are a favourite target for crypto-miners.
 
 Their worker processes are forked from a server process that has already imported
-Prefect, Dask and this package (``forkserver``). ``start_or_join`` is the runner's one
-way to its client. Where the runner leaves the choice of cluster open and the user runs
-a host cluster (``prefect-gpu-dask cluster start``, ``host_cluster``), it joins that.
+Prefect, Dask and this package (``forkserver``). ``start`` and ``join_host_cluster`` set
+what prefect-dask's ``client`` then connects to. Where the runner leaves the choice of
+cluster open and the user runs a host cluster (``prefect-gpu-dask cluster start``,
+``host_cluster``), it joins that.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import dask
 import distributed
 from distributed.comm import CommClosedError
 from prefect.context import FlowRunContext
-from prefect_dask import DaskTaskRunner
 
 from prefect_gpu_dask import forkserver, jobqueue, nvml
 from prefect_gpu_dask.flow.resource_wait import worker_start_error
@@ -224,52 +224,50 @@ def _has_default_client() -> bool:
     return True
 
 
-def start_or_join(runner: GPUDaskTaskRunner) -> tuple[distributed.Client, bool]:
-    """Start the cluster ``runner`` names (or make the user's cluster adaptive), then
-    connect as prefect-dask does.
+def join_host_cluster(runner: GPUDaskTaskRunner) -> HostCluster | None:
+    """Where the runner leaves the choice of cluster to us and this user's host cluster
+    runs: set the runner's ``address`` and ``client_kwargs`` for prefect-dask's ``client``
+    to connect to it (as that property sets them itself), and return it."""
+    if (host := _host_cluster(runner)) is None:
+        return None
+    runner.logger.info(
+        "Joining this user's host cluster at %s (pid %d, %d worker(s), %d GPU(s))",
+        host.address,
+        host.pid,
+        host.workers,
+        host.gpus,
+    )
+    kwargs = {**runner.client_kwargs, "security": host.security}
+    kwargs.setdefault("timeout", HOST_CLUSTER_CONNECT_S)
+    runner.address, runner.client_kwargs = host.address, _named(kwargs)
+    return host
 
-    Returns the client and whether workers may still join (an ``address``, a
-    ``cluster``, a non-local ``cluster_class`` or ``adapt_kwargs``): where they may,
-    a task waits ``gpu_wait_s`` for a worker offering its resources.
+
+def start(runner: GPUDaskTaskRunner) -> bool:
+    """Start the cluster ``runner`` names (or make the user's cluster adaptive), for
+    prefect-dask's ``client`` to connect to.
+
+    Returns whether workers may still join (an ``address``, a ``cluster``, a non-local
+    ``cluster_class`` or ``adapt_kwargs``): where they may, a task waits ``gpu_wait_s``
+    for a worker offering its resources.
     """
-    if (host := _host_cluster(runner)) is not None:
-        try:
-            return _join_host_cluster(runner, host), False  # its workers are all there
-        except OSError as exc:  # alive but not answering: the flow run still runs
-            runner.logger.warning(
-                "Could not join the host cluster at %s (pid %d): %s; starting a cluster of this "
-                "flow run's own",
-                host.address,
-                host.pid,
-                exc,
-            )
+    adapt_kwargs = runner.adapt_kwargs
     _start_cluster(runner)
-    # prefect-dask calls an existing cluster's adapt() without awaiting it: the
-    # cluster this runner built or was given was made adaptive just above.
-    adapt_kwargs, runner.adapt_kwargs = runner.adapt_kwargs, {}
-    try:
-        client = _connect(runner, runner.address, runner.client_kwargs)
-    finally:
-        runner.adapt_kwargs = adapt_kwargs
-    can_grow = not (
+    # Made adaptive just above: prefect-dask's client would call adapt() again, unawaited.
+    runner.adapt_kwargs = {}
+    runner.client_kwargs = _named(runner.client_kwargs)
+    return not (
         runner._made_cluster and isinstance(runner._cluster, distributed.LocalCluster) and not adapt_kwargs
     )
-    return client, can_grow
 
 
-def _connect(runner: GPUDaskTaskRunner, address: str | None, client_kwargs: dict[str, Any]) -> Any:
-    """prefect-dask's client, to ``address`` with ``client_kwargs`` for this call only
-    (they are not constructor arguments: ``duplicate()`` must not see them). The client
-    is named after the flow run, so the scheduler and ``cluster status`` tell flow runs apart."""
+def _named(client_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``client_kwargs`` with the client named after the flow run, so the scheduler and
+    ``cluster status`` tell flow runs apart."""
     kwargs = dict(client_kwargs)
     if (context := FlowRunContext.get()) is not None and context.flow_run is not None:
         kwargs.setdefault("name", f"{FLOW_RUN_CLIENT}{context.flow_run.id}")
-    saved = runner.address, runner.client_kwargs
-    runner.address, runner.client_kwargs = address, kwargs
-    try:
-        return DaskTaskRunner.client.fget(runner)
-    finally:
-        runner.address, runner.client_kwargs = saved
+    return kwargs
 
 
 def _host_cluster(runner: GPUDaskTaskRunner) -> HostCluster | None:
@@ -283,19 +281,6 @@ def _host_cluster(runner: GPUDaskTaskRunner) -> HostCluster | None:
     except PermissionError as exc:  # a file or directory someone else could have written
         runner.logger.warning("Not joining a host cluster: %s", exc)
         return None
-
-
-def _join_host_cluster(runner: GPUDaskTaskRunner, host: HostCluster) -> Any:
-    runner.logger.info(
-        "Joining this user's host cluster at %s (pid %d, %d worker(s), %d GPU(s))",
-        host.address,
-        host.pid,
-        host.workers,
-        host.gpus,
-    )
-    kwargs = {**runner.client_kwargs, "security": host.security}
-    kwargs.setdefault("timeout", HOST_CLUSTER_CONNECT_S)
-    return _connect(runner, host.address, kwargs)
 
 
 def _start_cluster(runner: GPUDaskTaskRunner) -> None:

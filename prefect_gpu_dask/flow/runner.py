@@ -175,6 +175,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._resource_wait: ResourceWait | None = None
         self._submitter: TaskSubmitter | None = None
         self._can_grow = True  # workers may still join: tasks wait for their resources
+        # As given: the client property sets address and adapt_kwargs as it connects, as
+        # prefect-dask's does, and duplicate() must make the runner the user made.
+        self._given_address, self._given_adapt_kwargs = address, dict(adapt_kwargs or {})
         self._guard_on = False
         self._flow_run_id: str | None = None
         self._on_ephemeral_api = False  # the flow run reports to the ephemeral server it shares
@@ -190,10 +193,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _arguments(self) -> dict[str, Any]:
         """Every constructor argument but the live ``cluster`` object."""
         return dict(
-            address=self.address,
+            address=self._given_address,
             cluster_class=self.cluster_class,
             cluster_kwargs=self.cluster_kwargs,
-            adapt_kwargs=self.adapt_kwargs,
+            adapt_kwargs=self._given_adapt_kwargs,
             client_kwargs=self._user_client_kwargs,
             performance_report_path=self.performance_report_path,
             security=self.security,
@@ -261,7 +264,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             # task that no worker can run then names.
             start_errors = WorkerStartErrors().attach()
             try:
-                client, self._can_grow = clusters.start_or_join(self)
+                client = self._connect()
             finally:
                 if self._made_cluster:
                     self._exit_stack.callback(start_errors.detach)
@@ -293,6 +296,28 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._register_plugins(client)
             self._submitter.prepare_workers()
         return self._client
+
+    def _connect(self) -> PrefectDaskClient:
+        """prefect-dask's client, to this user's host cluster where it runs and answers,
+        else to the cluster this runner starts or was given."""
+        given = self.address, self.client_kwargs
+        host = clusters.join_host_cluster(self)
+        if host is not None:
+            try:
+                client = super().client
+                self._can_grow = False  # its workers are all there
+                return client
+            except OSError as exc:  # alive but not answering: the flow run still runs
+                self.logger.warning(
+                    "Could not join the host cluster at %s (pid %d): %s; starting a cluster of this "
+                    "flow run's own",
+                    host.address,
+                    host.pid,
+                    exc,
+                )
+                self.address, self.client_kwargs = given
+        self._can_grow = clusters.start(self)
+        return super().client
 
     def _register_plugins(self, client: distributed.Client) -> None:
         """The labels, the share server, the heap freezer, the prompt stream and the early
