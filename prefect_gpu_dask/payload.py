@@ -13,6 +13,8 @@ from uuid import uuid4
 
 import cloudpickle
 
+SHARED_METADATA = "prefect-gpu-dask-shared"  # the scheduler's metadata key of the flow runs' blobs
+
 
 class Shared:
     """An object pickled once on the flow side and unpickled once per worker process."""

@@ -34,8 +34,9 @@ from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
 from prefect_gpu_dask.flow.results import ReadAhead
 from prefect_gpu_dask.flow.routing import Route
-from prefect_gpu_dask.payload import Shared, SharedRef, seal
+from prefect_gpu_dask.payload import SHARED_METADATA, Shared, SharedRef, seal
 from prefect_gpu_dask.records import TASK_RUN
+from prefect_gpu_dask.scheduler.shared import forget_namespace
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker.deadline import deadline
 from prefect_gpu_dask.worker.entry import prepare_for_flow_run, run_prefect_task
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHARED_KEPT = 1024  # fixed parts of the task runs submitted lately
-SHARED_METADATA = "prefect-gpu-dask-shared"  # the scheduler's metadata key of the flow runs' blobs
 CLONES_KEPT = 1024  # tasks dressed lately, with what runs around them
 
 
@@ -208,7 +208,7 @@ class TaskSubmitter:
             return
         self._refs.clear()
         try:
-            self._client.run_on_scheduler(_forget_namespace, self._namespace)
+            self._client.run_on_scheduler(forget_namespace, self._namespace)
         except Exception as exc:  # a scheduler without this package, a lost connection
             logger.debug("Could not take this flow run's blobs off the scheduler: %r", exc)
             try:
@@ -288,8 +288,3 @@ def _resolved(expr: Any) -> Any:
         return resolved(item) if isinstance(item, PrefectDaskFuture) else item
 
     return visit_collection(expr, visit_fn=visit, return_data=True)
-
-
-def _forget_namespace(namespace: str, dask_scheduler: Any = None) -> None:
-    """On the scheduler: drop one flow run's blobs (``TaskSubmitter.close``)."""
-    dask_scheduler.task_metadata.get(SHARED_METADATA, {}).pop(namespace, None)

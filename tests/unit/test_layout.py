@@ -53,6 +53,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
     "flow.submission": {
         # the Dask task of every task run, and what prepares a worker for a flow run
         "worker.entry": {"run_prefect_task", "prepare_for_flow_run"},
+        "scheduler.shared": {"forget_namespace"},  # run on the scheduler as a flow run ends
         "worker.taskwrap": {"with_around", "stacked"},  # the clone that travels with the task
         "worker.fallback": {"falling_back"},  # wrappers inside that clone
         "worker.guard": {"guarding"},
