@@ -516,6 +516,7 @@ async def run_on_scheduler_from_worker(dask_worker: Any, function: Any, **kwargs
     )
     if response["status"] == "error":
         _, exc, tb = clean_exception(**response)
+        assert exc is not None  # an error reply carries its exception
         raise exc.with_traceback(tb)
     return response["result"]
 
@@ -631,7 +632,7 @@ def error_reply(exc: BaseException, status: str) -> dict[str, Any]:
     (``distributed.core.error_message``)."""
     from distributed.core import error_message
 
-    return error_message(exc, status=status)
+    return dict(error_message(exc, status=status))
 
 
 def raise_error_reply(reply: dict[str, Any]) -> None:
@@ -640,6 +641,7 @@ def raise_error_reply(reply: dict[str, Any]) -> None:
     from distributed.core import clean_exception
 
     _, exc, traceback = clean_exception(**reply)
+    assert exc is not None  # an error reply carries its exception
     raise exc.with_traceback(traceback)
 
 
@@ -737,7 +739,7 @@ def stop_fork_server() -> None:
     """
     import multiprocessing.forkserver
 
-    multiprocessing.forkserver._forkserver._stop()
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private, untyped
 
 
 def is_main_process() -> bool:

@@ -86,7 +86,7 @@ class HealthReadings:
     the whole GPU or for this instance. ``None``: the GPU or driver cannot say.
     """
 
-    gpu_uuid: str
+    gpu_uuid: str | None  # None: the driver did not say
     lost: bool = False
     ecc_volatile_uncorrectable: int | None = None
     retired_pages_pending: bool | None = None
@@ -104,7 +104,7 @@ class HealthVerdict:
 
     healthy: bool
     reasons: tuple[str, ...]
-    gpu_uuid: str
+    gpu_uuid: str | None
     warnings: tuple[str, ...] = ()
 
 

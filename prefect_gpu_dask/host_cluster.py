@@ -214,4 +214,5 @@ async def dask_setup(server: Any) -> None:
             f"speak TLS (ssl_options {context!r}): stopped it, so its dashboard and /metrics are off"
         )
     context.verify_mode = ssl.CERT_REQUIRED
+    assert http_server is not None  # its ssl_options were read
     await http_server.close_all_connections()

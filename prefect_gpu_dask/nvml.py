@@ -16,10 +16,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import pynvml
 from distributed.diagnostics import nvml as _dask_nvml
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.switches import switched_on
+
+# What a failed GPU reading raises: NVML's error, or the OS's (a device or /proc file,
+# a driver gone). A ``memory_probe`` and its readers raise these too; anything else is a
+# bug and propagates.
+READ_ERRORS: tuple[type[Exception], ...] = (pynvml.NVMLError, OSError)
 
 
 class DeviceMemory(NamedTuple):

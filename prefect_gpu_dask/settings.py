@@ -34,7 +34,7 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
-def parse_threshold(value: int | str) -> int:
+def parse_threshold(value: int | float | str) -> int:
     """``"256MiB"`` or bytes -> bytes; anything else is a ValueError naming it."""
     if isinstance(value, bool):
         raise ValueError(f"leak_threshold {value!r} is not a size")
@@ -153,7 +153,7 @@ REMOVED_CLUSTER_KWARGS = {
 def check_cluster_kwargs(cluster_kwargs: Mapping[str, Any] | None) -> None:
     """A ValueError naming a keyword the cluster no longer takes (``REMOVED_CLUSTER_KWARGS``)."""
     for name in cluster_kwargs or ():
-        if name in REMOVED_CLUSTER_KWARGS:
+        if cluster_kwargs is not None and name in REMOVED_CLUSTER_KWARGS:
             raise ValueError(
                 f"cluster_kwargs {name}={cluster_kwargs[name]!r} is no longer an option: "
                 f"{REMOVED_CLUSTER_KWARGS[name]}"

@@ -31,7 +31,7 @@ def render(report: FlowRunGPUReport) -> str:
     leaks = len(report.leaks)
     lines.append(f"Task runs measured: {len(records)} ({leaks} leak(s))")
     if records:
-        rows = [
+        rows: list[tuple[str, ...]] = [
             (
                 r.task_run_name or r.task_name or "-",
                 f"{r.gpu_index} {r.worker_name}",

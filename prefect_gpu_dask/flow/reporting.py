@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
+from uuid import UUID
 
 from prefect_gpu_dask.flow import chart, sizing
 from prefect_gpu_dask.records import (
@@ -85,6 +86,7 @@ MOST_GATHERED = 200  # items taken at once: a table that fails to be written los
 
 
 Described = TaskRecord | RestartRecord | GPUQuarantine | HungTask
+OnGPU = TaskRecord | RestartRecord | GPUQuarantine  # what names the GPU it happened on
 
 
 def _related(record: Described) -> list[dict[str, str]]:
@@ -106,7 +108,11 @@ def _related(record: Described) -> list[dict[str, str]]:
     return related
 
 
-def _gpu_resource(record: Described) -> dict[str, str]:
+def _uuid(run_id: str | None) -> UUID | None:
+    return UUID(run_id) if run_id else None
+
+
+def _gpu_resource(record: OnGPU) -> dict[str, str]:
     return {
         "prefect.resource.id": f"prefect-gpu-dask.gpu.{record.gpu_uuid or 'unknown'}",
         "prefect.resource.name": f"GPU {record.gpu_index} on {record.worker}",
@@ -114,7 +120,7 @@ def _gpu_resource(record: Described) -> dict[str, str]:
     }
 
 
-def _emit(event: str, record: Described, payload: dict[str, Any]) -> None:
+def _emit(event: str, record: OnGPU, payload: dict[str, Any]) -> None:
     from prefect.events import emit_event
 
     emit_event(event=event, resource=_gpu_resource(record), related=_related(record), payload=payload)
@@ -254,12 +260,14 @@ class LivePublisher:
             TableArtifact(
                 table=table_rows(records),
                 description=f"{description} (prefect-gpu-dask)",
-                task_run_id=first.task_run_id if on_task_run else None,
-                flow_run_id=first.flow_run_id,
-            ).create(_sync=True)  # this thread runs in an async flow's context too
-        except Exception as exc:  # the flow-end table still has them
+                task_run_id=_uuid(first.task_run_id) if on_task_run else None,
+                flow_run_id=_uuid(first.flow_run_id),
+            ).create(_sync=True)  # type: ignore[call-arg]  # async_dispatch's own keyword: this thread runs in an async flow's context too
+        except (
+            Exception
+        ) as exc:  # a report, never to fail a task's reporting: the flow-end table still has them
             names = ", ".join(str(record.task_run_name) for record in records[:3])
-            self.logger.debug("Could not publish the records of %s (%d): %s", names, len(records), exc)
+            self.logger.warning("Could not publish the records of %s (%d): %s", names, len(records), exc)
 
 
 def needs_a_look(record: TaskRecord) -> bool:
@@ -367,7 +375,7 @@ def publish_artifacts(
         try:
             history = sizing.remember(flow_name, history)
         except Exception as exc:  # the hint then speaks of this run alone
-            (logger or logging.getLogger(__name__)).warning("Could not keep the GPU sizing history: %s", exc)
+            (logger or logging.getLogger(__name__)).warning("Could not keep the GPU sizing history: %r", exc)
 
     with warnings.catch_warnings():
         # The task runner closes after the flow run context; we name the run explicitly.
@@ -376,19 +384,19 @@ def publish_artifacts(
             key=TABLE_KEY,
             table=table_rows(records),
             description="GPU memory per guarded task (prefect-gpu-dask)",
-            flow_run_id=flow_run_id,
-        ).create(_sync=True)
+            flow_run_id=_uuid(flow_run_id),
+        ).create(_sync=True)  # type: ignore[call-arg]  # async_dispatch's own keyword
         MarkdownArtifact(
             key=SUMMARY_KEY,
             markdown=summary_markdown(records, restarts, quarantines, sizing.hints(records, history)),
             description="GPUs used, leaks, restarts, quarantined GPUs (prefect-gpu-dask)",
-            flow_run_id=flow_run_id,
-        ).create(_sync=True)
+            flow_run_id=_uuid(flow_run_id),
+        ).create(_sync=True)  # type: ignore[call-arg]  # async_dispatch's own keyword
         if restarts:
             # Readable as soon as the flow run returns; the restart events reach the API later.
             TableArtifact(
                 key=RESTARTS_KEY,
                 table=[restart.to_payload() for restart in restarts],
                 description="Worker restarts (prefect-gpu-dask)",
-                flow_run_id=flow_run_id,
-            ).create(_sync=True)
+                flow_run_id=_uuid(flow_run_id),
+            ).create(_sync=True)  # type: ignore[call-arg]  # async_dispatch's own keyword

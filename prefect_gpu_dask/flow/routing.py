@@ -294,6 +294,7 @@ class WorkerOffers:
         return self._offered
 
     async def _refresh_async(self) -> None:
+        assert self._identity_async is not None  # spawned only with it
         try:
             asked_at = time.monotonic()  # an answer is as old as its question
             self._offered = resources_of(await self._identity_async())

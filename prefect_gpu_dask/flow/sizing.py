@@ -168,6 +168,8 @@ def remember(flow_name: str, this_run: Mapping[str, PeakHistory]) -> dict[str, P
 
     name = variable_name(flow_name)
     # _sync: the runner closes inside an async flow's event loop too, and waits here.
-    history = merged(from_value(Variable.get(name, default=None, _sync=True)), this_run)
-    Variable.set(name, to_value(history, newest=this_run), overwrite=True, _sync=True)
+    # ``_sync`` is async_dispatch's own keyword, not in the methods' signatures.
+    stored = Variable.get(name, default=None, _sync=True)  # type: ignore[call-overload]
+    history = merged(from_value(stored), this_run)
+    Variable.set(name, to_value(history, newest=this_run), overwrite=True, _sync=True)  # type: ignore[call-arg]
     return history

@@ -13,7 +13,7 @@ reason kind; never a flow run or a task run.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,13 +41,15 @@ class Counts:
         self.ooms: Counter[tuple[str, str]] = Counter()
         self.hung: Counter[tuple[str, str]] = Counter()  # (worker, gpu: "" where unknown)
         self.stalled: Counter[tuple[str, str]] = Counter()
-        self.gpu_seconds: Counter[tuple[str, str, str]] = Counter()  # (worker, gpu, flow name)
-        self.energy_joules: Counter[tuple[str, str, str]] = Counter()
+        # (worker, gpu, flow name)
+        self.gpu_seconds: defaultdict[tuple[str, str, str], float] = defaultdict(float)
+        self.energy_joules: defaultdict[tuple[str, str, str], float] = defaultdict(float)
         self.restarts: Counter[str] = Counter()  # by reason kind: leak, oom, memory limit, recycle, hung
 
     def record(self, event: dict[str, Any]) -> None:
         where = (str(event.get("worker_name")), str(event.get("gpu_uuid")))
-        self.verdicts[(*where, str(event.get("verdict")))] += 1
+        verdict = (*where, str(event.get("verdict")))
+        self.verdicts[verdict] += 1
         if event.get("verdict") == "oom":
             self.ooms[where] += 1
         per_flow = (*where, str(event.get("flow_name") or "unknown"))
@@ -65,7 +67,8 @@ class Counts:
 
         workers = list(self.scheduler.workers.values()) if self.scheduler is not None else []
         by_model: Counter[str] = Counter()
-        offered = used = 0.0
+        offered: float = 0.0
+        used: float = 0.0
         for ws in workers:
             if not ws.resources.get(GPU_RESOURCE):
                 continue
@@ -94,16 +97,16 @@ class Counts:
             for labels, count in sorted(self.verdicts.items()):
                 verdicts.add_metric(list(labels), count)
             yield verdicts
-            for name, doc, counts, labels in (
+            for name, doc, counts, label_names in (
                 ("task_ooms", OOMS_DOC, self.ooms, ["worker", "gpu"]),
                 ("tasks_hung", HUNG_DOC, self.hung, ["worker", "gpu"]),
                 ("tasks_stalled", STALLED_DOC, self.stalled, ["worker", "gpu"]),
                 ("gpu_seconds", GPU_SECONDS_DOC, self.gpu_seconds, ["worker", "gpu", "flow"]),
                 ("gpu_energy_joules", ENERGY_DOC, self.energy_joules, ["worker", "gpu", "flow"]),
             ):
-                metric = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
-                for labels, value in sorted(counts.items()):
-                    metric.add_metric(list(labels), value)
+                metric = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=label_names)
+                for key, value in sorted(counts.items()):
+                    metric.add_metric(list(key), value)
                 yield metric
             restarts = CounterMetricFamily(f"{PREFIX}_worker_restarts", RESTARTS_DOC, labels=["reason"])
             for reason, count in sorted(self.restarts.items()):

@@ -11,13 +11,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 import dask
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from prefect_gpu_dask import _compat
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
 from prefect_gpu_dask.records import (
     ENDED_TOPIC,
     INTERRUPTED,
@@ -60,7 +64,10 @@ def _moving(ts: Any, drained: set[str], others_running: bool) -> bool:
 
 
 def blockers(
-    addresses: list[str], whole_cluster: bool, stuck: list[str] = (), dask_scheduler: Any = None
+    addresses: list[str],
+    whole_cluster: bool,
+    stuck: Collection[str] = (),
+    dask_scheduler: Scheduler | None = None,
 ) -> dict[str, Any]:
     """Why restarting these workers now could lose or repeat work.
 
@@ -68,8 +75,10 @@ def blockers(
     count. ``stuck`` (answer): a pending task needs a result held by a draining worker
     and nothing outside the draining workers is moving it forward: only they can run it.
     """
+    assert dask_scheduler is not None  # run_on_scheduler passes it
     hung = set(stuck)
-    reasons, stuck = [], False
+    reasons: list[str] = []
+    stuck_here = False
     drained = set(addresses)
     if whole_cluster:
         busy = [ws.address for ws in dask_scheduler.workers.values() if ws.processing]
@@ -86,12 +95,12 @@ def blockers(
             pending = [dep for dep in ts.dependents if dep.state not in DONE_STATES and dep.key not in hung]
             if pending:
                 reasons.append(f"{ts.key} on {address} is needed by a pending task")
-                stuck = stuck or not all(_moving(dep, drained, others_running) for dep in pending)
-    return {"reasons": reasons, "stuck": stuck}
+                stuck_here = stuck_here or not all(_moving(dep, drained, others_running) for dep in pending)
+    return {"reasons": reasons, "stuck": stuck_here}
 
 
 def hand_back_queued(
-    not_started: dict[str, list[Any]], stimulus: str, stuck: list[str] = (), dask_scheduler: Any = None
+    not_started: dict[str, list[Any]], stimulus: str, stuck: Collection[str] = (), dask_scheduler: Any = None
 ) -> dict[str, Any]:
     """Send what drained workers hold but never started back to the scheduler.
 
@@ -142,7 +151,7 @@ async def restart_if_safe(
     addresses: list[str],
     timeout: float,
     whole_cluster: bool,
-    stuck: list[str] = (),
+    stuck: Collection[str] = (),
     requester: str | None = None,
     dask_scheduler: Any = None,
 ) -> dict[str, Any]:
@@ -349,14 +358,14 @@ class InterruptedTasks(SchedulerPlugin):
     idempotent = True
 
     def __init__(self) -> None:
-        self.scheduler: Any = None
+        self.scheduler: Scheduler | None = None
         self.running_on: dict[Any, str] = {}  # where each task went processing
         self.started: dict[Any, str] = {}  # the worker each task started on
         self.ended: dict[Any, dict[str, Any]] = {}  # how each task run whose result is held ended
         self.sizes: dict[Any, int] = {}  # the bytes of each held result, as its worker told
         self.names: dict[str, Any] = {}  # worker address -> its name
 
-    async def start(self, scheduler: Any) -> None:
+    async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.names = {address: ws.name for address, ws in scheduler.workers.items()}
 
@@ -432,6 +441,7 @@ class InterruptedTasks(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key)
             if finish != "released" or ts is None:
                 return
+            marks: dict[str, Any]
             if ended is not None:  # its worker died after the run ended, before its result arrived
                 marks = {RESULT_LOST: ended}
             elif started_on is not None and started_on not in self.scheduler.workers:

@@ -296,8 +296,8 @@ class NvmlActivity:
                 mine = tuple((at, percent) for at, pid, percent in samples if pid == self._pid)
                 return mine or ((self._seen_us / 1e6, 0),), PROCESS  # none: this process was idle
             self._scope = DEVICE  # per-process figures not supported here (MIG, vGPU)
-        samples = nvml.utilization_samples(self._handle, since)
-        return ((), None) if samples is None else (tuple(samples), DEVICE)
+        device_samples = nvml.utilization_samples(self._handle, since)
+        return ((), None) if device_samples is None else (tuple(device_samples), DEVICE)
 
     def tick(self) -> Tick:
         utilization, scope = self._utilization()

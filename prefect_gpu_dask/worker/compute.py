@@ -34,7 +34,7 @@ import pickle as stdlib_pickle
 import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import dask
 import dask.threaded
@@ -46,6 +46,9 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle, to_serialize
 
 from prefect_gpu_dask import _compat
+
+if TYPE_CHECKING:
+    from dask.typing import Key
 from prefect_gpu_dask.resources import scheduler_identity, uses_gpu
 from prefect_gpu_dask.worker import task_threads
 from prefect_gpu_dask.worker.share_balance import graph_shape, share_sizes, share_speeds
@@ -313,7 +316,12 @@ async def _sent(comm: Any, bytes_before: int, timeout: float) -> None:
 
 # dask's own threads-scheduler pool where this dask has it: chunks see the caller's
 # contextvars (get_worker() among them); older dask's pools were plain.
-_ContextPool = getattr(dask.threaded, "ContextAwareThreadPoolExecutor", concurrent.futures.ThreadPoolExecutor)
+if TYPE_CHECKING:
+    _ContextPool = concurrent.futures.ThreadPoolExecutor
+else:
+    _ContextPool = getattr(
+        dask.threaded, "ContextAwareThreadPoolExecutor", concurrent.futures.ThreadPoolExecutor
+    )
 GRAPH_THREAD_PREFIX = "gpu-graph"
 
 
@@ -359,7 +367,8 @@ def _threads() -> int:
 
 def _compute_part(part: Mapping[Hashable, Any], outputs: list[Hashable]) -> tuple[Any, ...]:
     # The graph was built under TASKS_BASED on the caller: nothing left to configure here.
-    return dask.threaded.get(part, outputs, **_graph_threads())
+    # The outputs are the graph's own keys (Hashable here: a key is one).
+    return dask.threaded.get(part, cast("list[Key]", outputs), **_graph_threads())
 
 
 def _run_part(pickled_part: bytes, outputs: list[Hashable]) -> bytes | dict[Hashable, Any]:

@@ -37,7 +37,7 @@ def deadline() -> Iterator[None]:
     ctx = TaskRunContext.get()
     seconds = ctx.task.timeout_seconds if ctx is not None else None
     worker = current_worker()
-    if not seconds or worker is None:
+    if ctx is None or not seconds or worker is None:
         yield
         return
     run = ctx.task_run

@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
-from distributed import WorkerPlugin
+from distributed import Worker, WorkerPlugin
 
-from prefect_gpu_dask import _compat
+from prefect_gpu_dask import _compat, nvml
 from prefect_gpu_dask.health import HealthMonitor
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
@@ -133,6 +133,7 @@ class PeakSampler:
         self._wake = threading.Event()
         self._restart = threading.Event()  # a task started: cut a long wait short
         self._thread: threading.Thread | None = None
+        self._read_failed = False  # said once: the thread reads every few milliseconds
 
     def start(self, ticket: int, first: int) -> None:
         with self._lock:
@@ -170,7 +171,12 @@ class PeakSampler:
                 self._interval = min(2 * self._interval, self._max_interval)
             try:
                 used = self._read().judged
-            except Exception:  # a failing read must never break the worker
+            except Exception as exc:  # the thread's loop: a failing read must never end it
+                if not self._read_failed:
+                    self._read_failed = True
+                    logger.warning(
+                        "GPU memory peak not readable (%r): peaks are the before/after figures", exc
+                    )
                 used = 0
             with self._lock:
                 for ticket, peak in self._peaks.items():
@@ -195,7 +201,7 @@ class GPUMemoryGuard(WorkerPlugin):
     def __init__(self, settings: RunnerSettings | None = None):
         self.settings = settings if settings is not None else RunnerSettings()
         self.probe: MemoryProbe | None = None
-        self.worker: Any = None
+        self.worker: Worker | None = None
         self.baseline: MemorySample | None = None
         self.context_bytes = 0  # this process's GPU memory with only its CUDA context
         self.recycling: WorkerRecycling | None = None
@@ -224,14 +230,14 @@ class GPUMemoryGuard(WorkerPlugin):
         self._running_lock: threading.Lock | None = None  # made in setup: the plugin is pickled
 
     # -- WorkerPlugin -------------------------------------------------------------
-    async def setup(self, worker: Any) -> None:
+    async def setup(self, worker: Worker) -> None:
         self.worker = worker
         self._follow_lock = threading.Lock()
         self._running_lock = threading.Lock()
         try:
             self.probe = worker_probe(worker, self.settings.memory_probe)
-        except Exception as exc:  # NVML present but unusable: guard off, worker fine
-            logger.warning("GPU memory guard disabled on %s: %s", worker.address, exc)
+        except Exception as exc:  # a plugin hook: NVML or a memory_probe unusable, guard off, worker fine
+            logger.warning("GPU memory guard disabled on %s: %r", worker.address, exc)
             self.probe = None
         if self.probe is None:
             logger.info("No GPU on worker %s: GPU memory guard is a no-op", worker.address)
@@ -249,7 +255,8 @@ class GPUMemoryGuard(WorkerPlugin):
         self._sampler = PeakSampler(self.probe, read=self._read_process)
         reader = getattr(self.probe, "activity_reader", None)
         self._activity = ActivityWatch(reader()) if reader is not None else None
-        self.stalls = StallWatch(lambda: self._read_process().judged, self._gpu_busy, self._report_stall)
+        read_process = self._read_process
+        self.stalls = StallWatch(lambda: read_process().judged, self._gpu_busy, self._report_stall)
         serve_gauges(self)
         self._watch_health(worker, self.settings.health_check_s)
         self._health_asked = self.health is not None
@@ -260,20 +267,27 @@ class GPUMemoryGuard(WorkerPlugin):
             return
         try:
             enable_rmm_statistics()
-        except Exception as exc:  # RMM unusable: the driver's figures still judge
-            logger.warning("RMM statistics could not be enabled on %s: %s", self.worker.address, exc)
+        # RMM's C++ errors come as RuntimeError; an RMM without ``rmm.statistics`` as
+        # ImportError or AttributeError. RMM unusable: the driver's figures still judge.
+        except (RuntimeError, ImportError, AttributeError) as exc:
+            logger.warning("RMM statistics could not be enabled on %s: %r", self._address(), exc)
+
+    def _address(self) -> str | None:
+        return self.worker.address if self.worker is not None else None
 
     def _take_baseline(self) -> None:
+        assert self.probe is not None  # set up before the CUDA context is asked for
         self.baseline = self.probe.sample()
 
-    def _watch_health(self, worker: Any, interval_s: float | None) -> None:
+    def _watch_health(self, worker: Worker, interval_s: float | None) -> None:
         reader = getattr(self.probe, "health_reader", None)
         if interval_s is None or reader is None:
             return
+        assert self.probe is not None  # it offered the reader
         try:
             monitor = HealthMonitor(reader())
-        except Exception as exc:  # NVML cannot judge this GPU: memory is still guarded
-            logger.warning("GPU health checks off on %s: %s", worker.address, exc)
+        except nvml.READ_ERRORS as exc:  # NVML cannot judge this GPU: memory is still guarded
+            logger.warning("GPU health checks off on %s: %r", worker.address, exc)
             return
         self.health = HealthWatch(monitor, worker, self.probe.gpu, interval_s)
         self.health.start()
@@ -286,12 +300,14 @@ class GPUMemoryGuard(WorkerPlugin):
         return percent is None or percent > 0
 
     def _report_stall(self, hung: HungTask) -> None:
+        assert self.worker is not None  # stalls are watched from setup on
         self.worker.loop.add_callback(self.worker.log_event, HUNG_TOPIC, hung.to_event())
 
     def watch_for_stall(self, ticket: int, settings: RunnerSettings, identity: dict[str, Any]) -> None:
         """Watch the task run starting on this thread for a stall (``stall.py``)."""
         if self.stalls is None or settings.stall_s is None or identity["task_run_id"] is None:
             return
+        assert self.worker is not None  # stalls are watched from setup on
         hung = HungTask(
             task_run_id=identity["task_run_id"],
             task_run_name=identity["task_run_name"],
@@ -314,6 +330,7 @@ class GPUMemoryGuard(WorkerPlugin):
         every = settings.health_check_s
         if every is None or (self.health is not None and every >= self.health.interval_s):
             return  # the common case, one comparison per task
+        assert self._follow_lock is not None and self.worker is not None  # an active guard is set up
         with self._follow_lock:
             if self.health is not None:
                 self.health.tighten(every)
@@ -321,7 +338,7 @@ class GPUMemoryGuard(WorkerPlugin):
                 self._health_asked = True
                 self.worker.loop.add_callback(self._watch_health, self.worker, every)
 
-    async def teardown(self, worker: Any) -> None:
+    async def teardown(self, worker: Worker) -> None:
         if self.health is not None:
             self.health.close()
 
@@ -335,7 +352,15 @@ class GPUMemoryGuard(WorkerPlugin):
     def active(self) -> bool:
         return self.probe is not None
 
+    def _measuring(self) -> tuple[MemoryProbe, Callable[[], MemorySample], PeakSampler, threading.Lock]:
+        """What an active guard measures with: all set by ``setup`` where it found a GPU."""
+        probe, read, sampler, lock = self.probe, self._read_process, self._sampler, self._running_lock
+        assert probe is not None and read is not None and sampler is not None and lock is not None
+        return probe, read, sampler, lock
+
     def begin(self) -> tuple[int, MemorySample, float]:
+        _, read_process, sampler, running_lock = self._measuring()
+        assert self._read_allocators is not None
         ticket = next(self._tickets)
         self._count_rmm()  # RMM loaded by a task since (cuDF), or its resource replaced
         # A context still in the making is the process's, not the task's.
@@ -344,17 +369,17 @@ class GPUMemoryGuard(WorkerPlugin):
                 "This worker's CUDA context is still in the making after %.0f s: guarding without it",
                 cuda_context.MOST_WAIT_S,
             )
-        before = self._read_process()
+        before = read_process()
         if before.process == 0 and _create_cuda_context():
-            before = self._read_process()  # the context is the process's, not the task's
+            before = read_process()  # the context is the process's, not the task's
             self.context_bytes = max(before.process, 0)
         before = with_allocators(before, self._read_allocators())
-        with self._running_lock:
+        with running_lock:
             if self._running:
                 self._beside.update(self._running)
                 self._beside.add(ticket)
             self._running.add(ticket)
-        self._sampler.start(ticket, before.judged)
+        sampler.start(ticket, before.judged)
         if self._activity is not None:
             self._activity.start(ticket)
         return ticket, before, time.perf_counter()
@@ -378,6 +403,8 @@ class GPUMemoryGuard(WorkerPlugin):
         ``settings``: those of the task's flow run (default: the plugin's), whose own
         guarded tasks here count towards its ``restart_after_tasks``.
         Returns the verdict, the peak, the duration and what else it did on the GPU."""
+        probe, _, sampler, running_lock = self._measuring()
+        assert self._read_allocators is not None
         duration = time.perf_counter() - started
         # Over the same span as the duration: the verdict's own readings are not the task's.
         activity = self._activity.stop(ticket) if self._activity is not None else None
@@ -385,14 +412,14 @@ class GPUMemoryGuard(WorkerPlugin):
         self.tasks_run += 1
         self._tasks_of[flow_run_id] += 1
         key = (task, threading.current_thread())
-        with self._running_lock:
+        with running_lock:
             self._running.discard(ticket)
             alone = ticket not in self._beside
             self._beside.discard(ticket)
         then = self._grew.get(key)
         used = threads or {key[1]}  # ``task_threads.recording`` starts with the task's own thread
         verdict = verdict_for(
-            self.probe,
+            probe,
             before,
             settings,
             self._tasks_of[flow_run_id] if flow_run_id else self.tasks_run,
@@ -408,7 +435,7 @@ class GPUMemoryGuard(WorkerPlugin):
         )
         if verdict.status == LIBRARY:
             self._grew[key] = _Allowance(_pool_threads(), then.used.union(used) if then else frozenset(used))
-        peak = self._sampler.stop(ticket, verdict.after.judged)
+        peak = sampler.stop(ticket, verdict.after.judged)
         return verdict, peak, duration, activity
 
     def abandon(self, ticket: int) -> None:
@@ -425,6 +452,7 @@ class GPUMemoryGuard(WorkerPlugin):
     def report(self, record: TaskRecord, restart: str | None = None) -> None:
         """Send ``record`` to the flow, and hand it to this worker's recycling under
         ``restart``, the policy of the record's flow run (default: the plugin's)."""
+        assert self.worker is not None and self.recycling is not None  # an active guard is set up
         self.worker.log_event(RECORD_TOPIC, record.to_event())
         quarantined = self.health is not None and self.health.quarantine is not None
         self.recycling.hand(record, quarantined, restart or self.settings.restart)
@@ -447,7 +475,7 @@ def _pool_threads() -> frozenset[threading.Thread]:
     )
 
 
-def guard_of(dask_worker: Any) -> GPUMemoryGuard | None:
+def guard_of(dask_worker: Worker | None) -> GPUMemoryGuard | None:
     """``dask_worker``'s guard, where it has one guarding a GPU."""
     guard = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
     return guard if isinstance(guard, GPUMemoryGuard) and guard.active else None
@@ -458,7 +486,7 @@ def current_guard() -> GPUMemoryGuard | None:
     return guard_of(_compat.current_worker())
 
 
-async def replacement_state(dask_worker: Any) -> dict[str, Any]:
+async def replacement_state(dask_worker: Worker) -> dict[str, Any]:
     """Who this worker is and its GPU memory once it can serve a GPU task (its CUDA
     context made): read from a replacement after a restart."""
     guard = guard_of(dask_worker)
@@ -469,8 +497,10 @@ async def replacement_state(dask_worker: Any) -> dict[str, Any]:
         "name": str(dask_worker.name),
         # None only where the context was still in the making after that wait
         "baseline": guard.baseline.judged if guard is not None and guard.baseline is not None else None,
-        "now": guard.probe.sample().judged if guard is not None else None,
-        "released_at": guard.recycling.memory_released_at if guard is not None else None,
+        "now": guard.probe.sample().judged if guard is not None and guard.probe is not None else None,
+        "released_at": (
+            guard.recycling.memory_released_at if guard is not None and guard.recycling is not None else None
+        ),
     }
 
 
@@ -502,6 +532,7 @@ def build_record(
 ) -> TaskRecord:
     """The one place a ``TaskRecord`` is made."""
     probe = guard.probe
+    assert probe is not None and guard.worker is not None  # only an active guard makes records
     share = (_compat.current_task_restrictions() or {}).get(GPU_RESOURCE)
     return TaskRecord(
         **identity,
@@ -595,7 +626,7 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
         ticket, before, started = guard.begin()
     except Exception:  # the guard must never change what the task does: it runs unmeasured
         logger.exception(
-            "GPU memory guard could not measure a task on %s; it runs unguarded", guard.worker.address
+            "GPU memory guard could not measure a task on %s; it runs unguarded", guard._address()
         )
         yield
         return
@@ -632,4 +663,4 @@ def guarding(settings: RunnerSettings | None = None) -> Iterator[None]:
             guard.report(record, settings.restart if settings is not None else None)
         except Exception:  # the guard must never change what the task did
             guard.abandon(ticket)
-            logger.exception("GPU memory guard failed around a task on %s", guard.worker.address)
+            logger.exception("GPU memory guard failed around a task on %s", guard._address())

@@ -97,7 +97,7 @@ def _task_run_id() -> Any:
 def free_gpu_bytes(dask_worker: Any) -> int | None:
     """Free bytes on this worker's GPU, as its guard's probe reads them (None: no GPU)."""
     guard = guard_of(dask_worker)
-    if guard is None:
+    if guard is None or guard.probe is None:
         return None
     sample = guard.probe.sample()
     return sample.device_total - sample.device_used

@@ -295,12 +295,12 @@ class ProcessReader:
         used, total = self._device()
         now = self._clock()
         kept = self._kept
-        recent = kept is not None and now - kept.at <= self._max_age_s
-        if recent and kept.sample.process < 0:
+        recent = kept if kept is not None and now - kept.at <= self._max_age_s else None
+        if recent is not None and recent.sample.process < 0:
             return MemorySample(-1, used, total)
         held = self._allocators()
-        if recent and kept.device_used == used and kept.allocators == held:
-            return kept.sample
+        if recent is not None and recent.device_used == used and recent.allocators == held:
+            return recent.sample
         listed, others = self._read_list()
         if listed.process < 0:
             return self._unattributed(used, total, now)

@@ -128,7 +128,7 @@ class HealthWatch:
         except Exception as exc:  # e.g. prefect-gpu-dask missing on the scheduler: keep the GPU, refuse
             logger.warning("Could not withdraw the GPU of %s on the scheduler: %r", self.worker.address, exc)
             answer = {"withdrawn": False, "others": 0}
-        first = self.quarantine is None
+        kept = self.quarantine
         record = GPUQuarantine(
             worker=self.worker.address,
             worker_name=str(self.worker.name),
@@ -139,10 +139,10 @@ class HealthWatch:
             warnings=verdict.warnings,
             withdrawn=answer["withdrawn"],
             healthy_gpu_workers=answer["others"],
-            time=time.time() if first else self.quarantine.time,
+            time=time.time() if kept is None else kept.time,
         )
-        if first or record.withdrawn != self.quarantine.withdrawn:
-            self.quarantine = record
+        if kept is None or record.withdrawn != kept.withdrawn:
+            self.quarantine = kept = record
             self.worker.log_event(UNHEALTHY_TOPIC, record.to_event())
             logger.error(
                 "Quarantined %s: %s",
@@ -151,7 +151,7 @@ class HealthWatch:
                 if record.withdrawn
                 else "no healthy GPU is left, gpu tasks sent here fail",
             )
-        return self.quarantine
+        return kept
 
     def screen(self) -> GPUQuarantine | None:
         """In a worker thread, before a ``gpu`` task: this GPU's quarantine, if it is sick."""

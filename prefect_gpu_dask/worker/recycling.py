@@ -20,12 +20,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
 from distributed.core import Status
 
 from prefect_gpu_dask import _compat
+
+if TYPE_CHECKING:
+    from prefect import Task
+    from prefect.client.schemas.objects import State
 from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import WorkerDiedError, died_running, worker_died_message
 from prefect_gpu_dask.records import (
@@ -414,7 +418,9 @@ class HeardFirst:
         return (HeardFirst, (_nothing_to_hear,))
 
 
-def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
+def admit(
+    task: Task[..., Any], task_run_state: Callable[[], State[Any] | None]
+) -> tuple[Task[..., Any] | None, State[Any] | None]:
     """Before a task run's engine starts on this worker: ``(task to run, None)``, or
     ``(None, state)`` where the run is over already and ``state`` is what it returns.
 
@@ -453,6 +459,7 @@ def admit(task: Any, task_run_state: Callable[[], Any]) -> tuple[Any, Any]:
                 "run a second time (that could repeat its side effects). Submit it again to re-run it."
             )
         )
+    assert dead is not None  # neither lost nor told how it ended: the worker it started on died
     if died_running(started_there, state):
         return refused(task, WorkerDiedError(worker_died_message(dead))), None
     return task, None

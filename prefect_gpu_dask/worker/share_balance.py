@@ -85,7 +85,7 @@ class ShareSpeeds:
         """Each worker's speed on graphs of ``shape`` against the others' (1 is their
         mean), None where unknown."""
         with self._lock:
-            seen = self._seen.get(shape, {})
+            seen: Mapping[str, deque[float]] = self._seen.get(shape, {})
             return [statistics.median(seen[w]) if seen.get(w) else None for w in workers]
 
     def note(self, shape: Hashable, shares: Mapping[str, tuple[int, float]]) -> None:

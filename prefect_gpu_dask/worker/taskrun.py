@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -35,6 +35,10 @@ from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 
 from prefect_gpu_dask import _compat
+
+if TYPE_CHECKING:
+    from prefect import Task
+    from prefect.client.schemas.objects import State
 from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.payload import Shared, SharedRef
 from prefect_gpu_dask.worker.console import write_plainly_where_unseen
@@ -184,28 +188,33 @@ def _tag_limits(shared: Shared | SharedRef, clients: SyncClientContext) -> TagLi
     return _cached(f"tag-limits-{shared.token}", lambda: TagLimits(clients.client))
 
 
-def run_task_run(*, task: Shared | SharedRef, context: dict[str, Any], **run_kwargs: Any) -> Any:
+def run_task_run(
+    *, task: Shared | SharedRef, context: dict[str, Any], **run_kwargs: Any
+) -> State[Any] | None:
     """Worker side: run one Prefect task run, returning its final ``State``."""
-    task = _unshare(task)
-    task = screen(task, _compat.current_task_restrictions(), _health)  # a sick GPU's work goes elsewhere
+    unshared: Task[..., Any] = _unshare(task)
+    # A sick GPU's work goes elsewhere.
+    screened: Task[..., Any] = screen(unshared, _compat.current_task_restrictions(), _health)
     shared_settings = context.pop("settings_context")
     settings, clients = _settings_and_client(shared_settings)
     # Again on a task run's own thread, once per flow run: handlers Prefect set up after
     # the preparation thread's look are made plain too.
     _cached(f"on-a-task-thread-{shared_settings.token}", prepare_process)
-    task, final = admit(task, lambda: _api_state(clients, run_kwargs["task_run_id"]))
+    admitted, final = admit(screened, lambda: _api_state(clients, run_kwargs["task_run_id"]))
     if final is not None:  # its worker died after the run ended: the flow gets that state again
         return final
+    assert admitted is not None  # admit gives a task to run or the run's final state
     context["flow_run_context"] = _unshare(context.get("flow_run_context"))
     with _in_flow_run(settings, clients):
         try:
             with _compat.tag_slot_requests_where(_tag_limits(shared_settings, clients).exists):
-                if task.isasync:
+                state: State[Any] | None  # the engine's type: return_type="state" gives one
+                if admitted.isasync:
                     state = asyncio.run(
-                        run_task_async(task=task, context=context, return_type="state", **run_kwargs)
+                        run_task_async(task=admitted, context=context, return_type="state", **run_kwargs)
                     )
                 else:
-                    state = run_task_sync(task=task, context=context, return_type="state", **run_kwargs)
+                    state = run_task_sync(task=admitted, context=context, return_type="state", **run_kwargs)
             announce_end(state)  # before the result: a worker dying after it still told how it ended
             return state
         except WorkerDiedError as exc:
