@@ -61,12 +61,6 @@ _started_early = False  # by start_fork_server, and no cluster's workers forked 
 _fork_server_cuda = False  # the server imported what CUDA workers import
 _fork_server_preload: frozenset[str] = frozenset()  # what the server imported
 _users_start_method = "spawn"  # the setting before the first of them
-# A server started as a runner was made, that no cluster forked from and no flow run
-# entered a runner for in this long, stops (a process that only serves or deploys flows,
-# which run elsewhere, makes runners too); a flow run's entry starts one again.
-UNUSED_EARLY_SERVER_S = 300.0
-_unused_early_timer: threading.Timer | None = None
-_early_starts = 0  # counts early starts: a timer armed for an older one stops nothing
 
 
 def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None, early: bool = False) -> str:
@@ -142,16 +136,11 @@ def server_preload(preload: Sequence[str], cuda: bool) -> list[str]:
     return [*preload, *(CUDA_WORKER_PRELOAD if cuda else ()), FREEZE_HEAP]
 
 
-def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None:
-    """Start the server now, ahead of the local cluster whose workers will fork from it,
-    and leave this process's environment as it was: the variables a Nanny sets before
-    its first worker start are set when that cluster starts, not before.
-    ``keep_running`` (as a runner is made): a server already up stays as it is, whatever
-    it lacks, and one started now stops after ``UNUSED_EARLY_SERVER_S`` unless a cluster
-    forks from it or a flow run enters a runner first (a start without it)."""
-    global _unused_early_timer, _early_starts
-    if keep_running and _fork_server_surroundings is not None:
-        return
+def start_fork_server(cuda: bool = False) -> None:
+    """Start the server now (as a flow run enters its runner), ahead of the local cluster
+    whose workers will fork from it, and leave this process's environment as it was: the
+    variables a Nanny sets before its first worker start are set when that cluster
+    starts, not before."""
     saved = dict(os.environ)
     try:
         worker_start_method(cuda, early=True)
@@ -159,24 +148,6 @@ def start_fork_server(cuda: bool = False, *, keep_running: bool = False) -> None
         for name in os.environ.keys() - saved.keys():
             del os.environ[name]
         os.environ.update({name: value for name, value in saved.items() if os.environ.get(name) != value})
-    with _fork_server_lock:
-        _early_starts += 1
-        if _unused_early_timer is not None:
-            _unused_early_timer.cancel()
-            _unused_early_timer = None
-        if keep_running and _started_early:
-            _unused_early_timer = threading.Timer(
-                UNUSED_EARLY_SERVER_S, _stop_unused_early_server, args=(_early_starts,)
-            )
-            _unused_early_timer.daemon = True
-            _unused_early_timer.start()
-
-
-def _stop_unused_early_server(armed_at: int) -> None:
-    """Stop a server a runner started as it was made, if nothing used it since."""
-    with _fork_server_lock:
-        if armed_at == _early_starts and _started_early and _fork_server_surroundings is not None:
-            _stop_server()
 
 
 def _stop_server() -> None:
@@ -185,7 +156,7 @@ def _stop_server() -> None:
     _started_early = False
     try:
         _compat.stop_fork_server()
-    except Exception as exc:
+    except (AttributeError, OSError) as exc:  # a Python without ForkServer._stop, a server gone
         logger.debug("Could not stop the fork server: %r", exc)
         return
     _fork_server_surroundings = None

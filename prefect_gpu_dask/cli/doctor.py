@@ -116,7 +116,7 @@ def gpu_findings() -> list[Finding]:
             monitor = HealthMonitor(NvmlHealthReader(handle))
             verdict = monitor.check()
             monitor.close()
-        except Exception as exc:  # NVML cannot judge it: say so, the GPU may still work
+        except nvml.READ_ERRORS as exc:  # NVML cannot judge it: say so, the GPU may still work
             findings.append(
                 Finding(f"GPU {index}", WARN, f"{detail}; health not readable: {exc}", gpu_ready=True)
             )

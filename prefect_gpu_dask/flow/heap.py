@@ -52,7 +52,7 @@ def release_freed_heap_soon() -> bool:
     def release() -> None:
         try:
             trim(0)  # ctypes lets go of the GIL for the call
-        except Exception:  # never worth more than a debug line
+        except OSError:  # never worth more than a debug line
             logger.debug("malloc_trim failed", exc_info=True)
         finally:
             _trimming.release()

@@ -11,6 +11,7 @@ it runs, what it waits for, and what runs around it on its worker. The runner ha
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import threading
@@ -299,7 +300,7 @@ class WorkerOffers:
             asked_at = time.monotonic()  # an answer is as old as its question
             self._offered = resources_of(await self._identity_async())
             self.asked_at = asked_at
-        except Exception:  # the next submit that needs it asks again
+        except (OSError, asyncio.TimeoutError):  # a connection lost: the next submit that needs it asks again
             pass
         finally:
             self.refreshing = False

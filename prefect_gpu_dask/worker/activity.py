@@ -148,6 +148,7 @@ class ActivityWatch:
         self._open: dict[int, _Open] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._read_failed = False  # said once: the thread reads every tick
         self._started = threading.Event()  # a task started: tick now
         self._thread: threading.Thread | None = None
         self._last_tick = float("-inf")  # monotonic, of the last tick
@@ -171,7 +172,7 @@ class ActivityWatch:
     def start(self, ticket: int) -> None:
         try:
             start = self._instant(self._fresh())
-        except Exception:  # activity is a bonus: never fail a task for it
+        except nvml.READ_ERRORS:  # activity is a bonus: never fail a task for it
             return
         with self._lock:
             self._open[ticket] = _Open(start)
@@ -199,7 +200,7 @@ class ActivityWatch:
             if not opened.utilization:
                 device = fresh.device_utilization if fresh is not None else None
                 device = device if device is not None else self._reader.device_utilization()
-        except Exception:
+        except nvml.READ_ERRORS:
             return None
         return judge(opened, end, device)
 
@@ -225,8 +226,10 @@ class ActivityWatch:
                 # Tasks shorter than the look between ticks are rarely open when it comes:
                 # a glance keeps the readings their starts and ends take fresh.
                 tick = self._reader.tick() if busy else self._glance()
-            except Exception as exc:  # a failing read must never break the worker
-                logger.debug("GPU activity reading failed: %r", exc)
+            except Exception as exc:  # the thread's loop: a failing read must never end it
+                if not self._read_failed:
+                    self._read_failed = True
+                    logger.warning("GPU activity not readable (%r): task records go without it", exc)
                 time.sleep(self._tick_s)
                 continue
             # Without power (a failed read), a task reads its own start and end instead.
@@ -242,7 +245,7 @@ class ActivityWatch:
         now = self._reader.instant()
         try:
             device = self._reader.device_utilization()
-        except Exception:
+        except nvml.READ_ERRORS:
             device = None
         return Tick(now.time, None, now.temperature_c, now.reasons, (), None, now.power_mw, device)
 

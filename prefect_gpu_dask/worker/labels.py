@@ -46,8 +46,8 @@ class GPULabels(WorkerPlugin):
     async def setup(self, worker: Any) -> None:
         try:
             probe = worker_probe(worker, self.settings.memory_probe)
-        except Exception as exc:  # NVML present but unusable: no labels, worker fine
-            logger.warning("Could not read the GPU of %s to label it: %s", worker.address, exc)
+        except Exception as exc:  # a plugin hook: NVML or a memory_probe unusable, no labels, worker fine
+            logger.warning("Could not read the GPU of %s to label it: %r", worker.address, exc)
             return
         if probe is None:
             return

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from prefect_gpu_dask import nvml
+
 logger = logging.getLogger(__name__)
 PREFIX = "prefect_gpu_dask"
 _collector: GPUGauges | None = None
@@ -46,7 +48,7 @@ class GPUGauges:
         try:
             sample = probe.sample()
             used, total = sample.device_used, sample.device_total or gpu.memory_total
-        except Exception as exc:  # a scrape must never fail for one reading
+        except nvml.READ_ERRORS as exc:  # a scrape must never fail for one reading
             logger.debug("GPU memory not readable for /metrics: %r", exc)
             used, total = None, gpu.memory_total or None
         yield gauge("gpu_memory_used_bytes", "GPU memory in use on this worker's GPU", used)
@@ -61,7 +63,7 @@ class GPUGauges:
                 utilization = None if percent is None else percent / 100
                 power = None if instant.power_mw is None else instant.power_mw / 1000
                 temperature = instant.temperature_c
-            except Exception as exc:
+            except nvml.READ_ERRORS as exc:
                 logger.debug("GPU activity not readable for /metrics: %r", exc)
         yield gauge("gpu_sm_utilization_ratio", "Share of the GPU's time its SMs were busy", utilization)
         yield gauge("gpu_power_watts", "The GPU's power draw", power)

@@ -17,6 +17,7 @@ worker thread and, for a moved attempt, in the chosen worker's (``_attempt``);
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Callable, Mapping
@@ -141,8 +142,8 @@ def roomiest_elsewhere(resources: Mapping[str, float]) -> str | None:
         if not candidates or candidates == [here]:
             return None
         free = client.run(free_gpu_bytes, workers=candidates, on_error="return")
-    except Exception as exc:  # the retry still runs, in place
-        logger.warning("Could not compare free GPU memory for an out-of-memory retry: %s", exc)
+    except (OSError, asyncio.TimeoutError, KeyError) as exc:  # the retry still runs, in place
+        logger.warning("Could not compare free GPU memory for an out-of-memory retry: %r", exc)
         return None
     target = choose(here, here_serving, {a: v if isinstance(v, int) else None for a, v in free.items()})
     if target is not None:

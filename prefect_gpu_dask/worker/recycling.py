@@ -264,7 +264,7 @@ class StartNotices:
                     self.worker.scheduler.log_event(topic=STARTED_TOPIC, msg=self._notice(keys)),
                     ANNOUNCE_TIMEOUT_S,
                 )
-            except Exception as exc:  # the stream still carries them, later
+            except (OSError, asyncio.TimeoutError) as exc:  # the stream still carries them, later
                 logger.warning(
                     "Could not tell the scheduler that %d task run(s) started (%r): sending on the stream",
                     len(keys),
@@ -331,7 +331,7 @@ def result_nbytes(state: Any) -> int | None:
     """Bytes of the value ``state`` carries where it is plain host data, else None."""
     try:
         return plain_nbytes(_compat.state_payload(state))
-    except Exception:
+    except AttributeError:  # a state of another shape: its size unknown
         return None
 
 

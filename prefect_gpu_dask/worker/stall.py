@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from prefect_gpu_dask import nvml
 from prefect_gpu_dask.records import HungTask
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,11 @@ class StallWatch:
     def _look(self, thread: threading.Thread) -> Look:
         try:
             memory = self._read_memory()
-        except Exception:  # a reading that fails is no sign either way
+        except nvml.READ_ERRORS:  # a reading that fails is no sign either way
             memory = None
         try:
             busy = self._read_busy()
-        except Exception:
+        except nvml.READ_ERRORS:
             busy = True  # unknown: never call a task stalled on a guess
         cpu = thread_cpu_s(thread.native_id) if thread.native_id is not None else None
         return Look(position_of(thread.ident or 0), cpu, memory, busy)

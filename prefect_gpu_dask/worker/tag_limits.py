@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import httpx
+
 from prefect_gpu_dask import _compat
 
 PAGE = 200  # limits read per request
@@ -87,5 +89,5 @@ class TagLimits:
                 names += [limit.name for limit in page]
                 if len(page) < PAGE:
                     return frozenset(names)
-        except Exception:
+        except (httpx.HTTPError, OSError):  # the API unreachable or refusing
             return None  # the engine's request decides

@@ -168,8 +168,8 @@ def prepare_flow_run(shared_settings: Shared) -> None:
             APILogWorker.instance()
             EventsWorker.instance()
             load_prefect_collections()
-    except Exception:  # the first task run builds them then, and reports what fails
-        logger.debug("Could not prepare this worker for a flow run", exc_info=True)
+    except Exception:  # run for the flow on each worker: the first task run builds them then, and reports
+        logger.warning("Could not prepare this worker for a flow run", exc_info=True)
 
 
 def _health() -> HealthWatch | None:
