@@ -197,11 +197,10 @@ def start_local_cluster(
         return stack.enter_context(cluster_class(**kwargs))
 
 
-def start_worker_processes_soon(runner: GPUDaskTaskRunner, keep_running: bool = False) -> None:
+def start_worker_processes_soon(runner: GPUDaskTaskRunner) -> None:
     """Where ``runner``'s first task will start a local cluster, start the fork server its
-    workers fork from now: as the runner is made, and again as a flow run enters it
-    (``keep_running`` at the first, which replaces nothing). The server's imports then run
-    while Prefect starts its API server and the flow run begins, not after."""
+    workers fork from now, as a flow run enters the runner: the server's imports then run
+    while the flow run begins, not after."""
     if runner._cluster is not None or runner.address or _has_default_client():
         return
     if _host_cluster(runner) is not None:
@@ -209,9 +208,9 @@ def start_worker_processes_soon(runner: GPUDaskTaskRunner, keep_running: bool = 
     if runner.cluster_class:
         if forks_workers(runner.cluster_class, runner.cluster_kwargs):
             cuda = is_local_cuda_cluster(runner.cluster_class)
-            forkserver.start_fork_server(cuda, keep_running=keep_running)
+            forkserver.start_fork_server(cuda)
     elif runner.cluster_kwargs.get("processes", True):
-        forkserver.start_fork_server(default_is_cuda(), keep_running=keep_running)
+        forkserver.start_fork_server(default_is_cuda())
 
 
 def _has_default_client() -> bool:

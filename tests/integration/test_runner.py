@@ -235,14 +235,15 @@ print(json.dumps(report))
         ({"cluster_kwargs": {"n_workers": 1}, "import_later": "dask.array"}, True),
     ],
 )
-def test_making_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_processes(
+def test_entering_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_processes(
     arguments, starts, tmp_path
 ):
-    """A fresh process: its fork server starts as the runner is made, long before the
-    first task starts the cluster, only where that cluster will fork workers, and
-    without touching the flow's environment; that cluster's workers then fork from it,
-    or from a new server where the body changed the environment before its first task,
-    or where the script imported ``dask.array`` after making its runner."""
+    """A fresh process: making the runner starts nothing; its fork server starts as a
+    flow run enters it, before the first task starts the cluster, only where that
+    cluster will fork workers, and without touching the flow's environment; that
+    cluster's workers then fork from it, or from a new server where the body changed the
+    environment before its first task, or where the script imported ``dask.array`` after
+    making its runner."""
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", ENTER_AND_REPORT, repr(arguments)],
@@ -253,89 +254,13 @@ def test_making_the_runner_starts_the_fork_server_only_for_a_local_cluster_of_pr
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
-    assert report["made"] is report["server"] is starts, report
+    assert report["made"] is False and report["server"] is starts, report
     assert report["environ_kept"] and not report["client"], report
     if starts:  # a variable set in the body: the workers fork from a new server that has it
         assert report["forked"], report
         assert report["seen"] == (["set in the body"] if "set_in_body" in arguments else [None]), report
         assert report.get("imported", True), report
         assert "Spawning" not in done.stderr
-
-
-RUNNER_AT_MODULE_LEVEL = """
-import json, multiprocessing
-from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
-
-runner = GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1})  # as a flow script makes it
-started = forkserver._fork_server_surroundings is not None
-
-
-def report_started(queue):
-    queue.put(started)  # this module's, as the child ran it
-
-
-if __name__ == "__main__":
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=report_started, args=(queue,))
-    child.start()
-    print(json.dumps({"main": started, "child": queue.get(timeout=120)}))
-    child.join()
-"""
-
-
-def test_a_child_process_running_the_scripts_module_level_starts_no_fork_server(tmp_path):
-    """A spawned child (a worker among them) runs its parent's main module again, and
-    makes the runner again: only the script's own process starts the server."""
-    script = tmp_path / "flow_script.py"
-    script.write_text(RUNNER_AT_MODULE_LEVEL)
-    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == {"main": True, "child": False}
-    assert "fork server" not in done.stderr, done.stderr
-
-
-UNUSED_EARLY_SERVER = """
-import json, os, time
-import psutil
-from prefect_gpu_dask import GPUDaskTaskRunner, forkserver
-
-def fork_servers():
-    children = psutil.Process().children()
-    return [c.pid for c in children if "multiprocessing.forkserver" in " ".join(c.cmdline())]
-
-forkserver.UNUSED_EARLY_SERVER_S = 1.0
-runner = GPUDaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 1})
-report = {"made": len(fork_servers())}
-# As in a process that serves or deploys flows, which run elsewhere. The server exits
-# once its imports are done (it reads its parent's pipe only then): slow on a busy host.
-deadline = time.monotonic() + 120
-while fork_servers() and time.monotonic() < deadline:
-    time.sleep(0.2)
-report["unused"] = len(fork_servers())
-with runner:  # a flow run's entry starts it again; its cluster forks from it and keeps it
-    report["entered"] = len(fork_servers())
-    parents = runner.client.run(os.getppid).values()
-    report["forked"] = all(parent != os.getpid() for parent in parents)
-    time.sleep(3)  # past the unused server's time: entered and forked from, it stays
-    report["in_use"] = len(fork_servers())
-print(json.dumps(report))
-"""
-
-
-def test_a_fork_server_no_cluster_forks_from_stops(tmp_path):
-    """A process that makes runners but runs no flow keeps no idle server for long."""
-    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", UNUSED_EARLY_SERVER], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.splitlines()[-1])
-    assert report == {"made": 1, "unused": 0, "entered": 1, "forked": True, "in_use": 1}, report
 
 
 def _in_a_fresh_process(script: str) -> subprocess.CompletedProcess:
