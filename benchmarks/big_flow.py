@@ -1,39 +1,60 @@
 """What a big flow's process keeps per task run: the default runner against Prefect's
 ``ThreadPoolTaskRunner``, in one run.
 
-    python -m benchmarks.big_flow                      # 20,000 task runs each
-    python -m benchmarks.big_flow --tasks 2000 --json out.json --top 15
+    python -m benchmarks.big_flow                          # 20,000 task runs each
+    python -m benchmarks.big_flow --tasks 3000 --first 1000 --json out.json --top 15
 
-Each runner runs in a fresh process of its own: one flow that maps a ``gpu`` task over
-``--tasks`` items (on CPU: the default runner's one worker offering ``GPU=1``, its guard
-reading the scripted probe; ``benchmarks.common.one_gpu_slot_runner``) after a warm-up
-map, and holds every future until all results are in. Measured after ``gc.collect()``,
-per 1,000 task runs:
+Each runner runs in a fresh process of its own (without ``PREFECT_API_URL``: Prefect's
+temporary server with a fresh ``PREFECT_HOME``, the README's default), one flow run
+that maps a ``gpu`` task (on CPU: the default runner's one worker offering ``GPU=1``,
+its guard reading the scripted probe; ``benchmarks.common.one_gpu_slot_runner``):
 
-- ``held``: what the flow's process holds with every future still referenced
-  (tracemalloc, started after the warm-up; and the RSS growth);
-- ``kept``: what is left of it after the flow run has returned (tracemalloc): nothing
-  per task run should outlive its flow run.
+1. a warm-up map of 200 (one-time caches, the cluster, the workers' imports);
+   ``tracemalloc`` starts after it;
+2. a map of ``--first`` items (default 1,000), all results read; then, after
+   ``gc.collect()``, what the process holds: ``H1``;
+3. a map of the other ``--tasks - --first`` items, all results read, every future of
+   both maps still referenced; after ``gc.collect()``: ``H2``.
 
-``--top K`` lists the K source lines holding the most in each process while held.
-Without ``PREFECT_API_URL`` each process runs on Prefect's temporary server with a
-fresh ``PREFECT_HOME`` (the README's default).
+``held`` is the slope between the two, per 1,000 task runs: ``(H2 - H1) / (tasks -
+first) x 1000``. Whatever is bounded (distributed's message and event logs of 1,000
+entries, the runner's caches of 1,024 entries, the read-ahead window) fills during
+step 2 and does not count; what grows with the flow does. Prefect's event and log
+queues are drained before each reading (a backlog waiting for the API is not held per
+task run). Both runners keep a final state per future (Prefect's own futures do), so
+like is compared with like. ``held (RSS)`` is the same slope of the resident set,
+noisier (freed memory is not always returned).
+
+``kept``: what ``tracemalloc`` still counts after the flow run has returned and
+``gc.collect()``, over all task runs, per 1,000 task runs: nothing per task run should
+outlive its flow run. Prefect itself keeps each flow run's context alive afterwards
+(its log and event services run asyncio tasks started in it, holding the flow's task
+runner and what the engine recorded per task run): the thread pool's figure is that.
+
+``--top K`` lists the K source lines whose holdings grew most between the two readings,
+in each process. ``--scheduler-process`` runs the default runner against a ``dask
+scheduler`` (and one ``dask worker``) in processes of their own, so that what the
+scheduler keeps per task (its tasks' arguments and bookkeeping, in the flow's own
+process on a local cluster) is told apart from what the runner keeps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 RUNNERS = ("threads", "dask")
 WARM = 200
+FIRST = 1000
 MiB = 2**20
 
 
@@ -43,54 +64,90 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _measure(runner_name: str, n: int, top: int) -> dict[str, Any]:
-    """In the child: run the big flow on ``runner_name``; its figures."""
-    from prefect import flow, task
+def _drain_prefect_services() -> None:
+    """Let Prefect's event and log queues reach the API: a backlog is not held per task run."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (EventsWorker, APILogWorker):
+        service.drain_all(timeout=60)
+
+
+def _reading() -> tuple[int, int]:
+    _drain_prefect_services()
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0], _rss()
+
+
+def _runner(runner_name: str, address: str | None) -> Any:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from benchmarks.common import one_gpu_slot_runner
+
+    if runner_name == "threads":
+        return ThreadPoolTaskRunner(max_workers=8)
+    if address is None:
+        return one_gpu_slot_runner()
+    from prefect_gpu_dask import GPUDaskTaskRunner
+
+    return GPUDaskTaskRunner(address=address, memory_probe="benchmarks.recycle_soak:scripted_gpu_probe")
+
+
+def _measure(runner_name: str, n: int, first: int, top: int, address: str | None = None) -> dict[str, Any]:
+    """In the child: run the big flow on ``runner_name``; its figures."""
+    from prefect import flow, task
 
     @task(tags=["gpu"])
     def item(i: int) -> int:
         return i
 
-    runner = ThreadPoolTaskRunner(max_workers=8) if runner_name == "threads" else one_gpu_slot_runner()
     figures: dict[str, Any] = {}
 
-    @flow(task_runner=runner)
+    @flow(task_runner=_runner(runner_name, address))
     def big_flow(n: int) -> int:
         assert item.map(range(WARM)).result() == list(range(WARM))  # warm: one-time caches
+        _drain_prefect_services()
         gc.collect()
-        rss_before = _rss()
         tracemalloc.start(1)
-        futures = item.map(range(n))
+        futures = item.map(range(first))
         total = sum(futures.result())
-        gc.collect()
-        figures["held_bytes"] = tracemalloc.get_traced_memory()[0]
-        figures["held_rss_bytes"] = _rss() - rss_before
-        if top:
-            stats = tracemalloc.take_snapshot().statistics("lineno")[:top]
-            figures["top"] = [(str(s.traceback), s.size, s.count) for s in stats]
-        del futures
+        figures["h1"], figures["rss1"] = _reading()
+        snapshot = tracemalloc.take_snapshot() if top else None
+        more = item.map(range(first, n))
+        total += sum(more.result())
+        figures["h2"], figures["rss2"] = _reading()
+        if snapshot is not None:
+            stats = tracemalloc.take_snapshot().compare_to(snapshot, "lineno")[:top]
+            figures["top"] = [(str(s.traceback), s.size_diff, s.count_diff) for s in stats]
+        del futures, more
         return total
 
     assert big_flow(n) == n * (n - 1) // 2
-    gc.collect()
-    figures["kept_bytes"] = tracemalloc.get_traced_memory()[0]
+    figures["kept"] = _reading()[0]
+    if top:
+        stats = tracemalloc.take_snapshot().statistics("lineno")[:top]
+        figures["kept_top"] = [(str(s.traceback), s.size, s.count) for s in stats]
     tracemalloc.stop()
-    per_1000 = 1000 / n
+    per_1000 = 1000 / (n - first)
     return {
-        "runner": runner_name,
+        "runner": runner_name + (" (scheduler process)" if address else ""),
         "tasks": n,
-        "held_mib_per_1000": figures["held_bytes"] / MiB * per_1000,
-        "held_rss_mib_per_1000": figures["held_rss_bytes"] / MiB * per_1000,
-        "kept_mib_per_1000": figures["kept_bytes"] / MiB * per_1000,
+        "first": first,
+        "held_mib_per_1000": (figures["h2"] - figures["h1"]) / MiB * per_1000,
+        "held_rss_mib_per_1000": (figures["rss2"] - figures["rss1"]) / MiB * per_1000,
+        "kept_mib_per_1000": figures["kept"] / MiB * 1000 / n,
         "top": figures.get("top", []),
+        "kept_top": figures.get("kept_top", []),
     }
 
 
 def measure_in_child(
-    runner_name: str, n: int, top: int = 0, env: dict[str, str] | None = None
+    runner_name: str,
+    n: int,
+    first: int = FIRST,
+    top: int = 0,
+    env: dict[str, str] | None = None,
+    address: str | None = None,
 ) -> dict[str, Any]:
     """``_measure`` in a fresh process."""
     env = dict(os.environ if env is None else env)
@@ -101,18 +158,9 @@ def measure_in_child(
         env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    args = ["--child", runner_name, "--tasks", str(n), "--first", str(first), "--top", str(top)]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.big_flow",
-            "--child",
-            runner_name,
-            "--tasks",
-            str(n),
-            "--top",
-            str(top),
-        ],
+        [sys.executable, "-m", "benchmarks.big_flow", *args, *(["--address", address] if address else [])],
         cwd=root,
         env=env,
         capture_output=True,
@@ -125,12 +173,61 @@ def measure_in_child(
     return json.loads(lines[-1][len("BIG-FLOW ") :])
 
 
-def compare(n: int, top: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Both runners, each in a fresh process; the ratios of what they hold per task run."""
-    results = {name: measure_in_child(name, n, top, env) for name in RUNNERS}
+@contextlib.contextmanager
+def scheduler_process(env: dict[str, str] | None = None) -> Iterator[str]:
+    """A ``dask scheduler`` and one ``dask worker`` (8 threads, ``GPU=1``) in processes of
+    their own; the scheduler's address."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    dask = [sys.executable, "-m", "distributed.cli"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env, "cwd": root}
+    scheduler = subprocess.Popen(
+        [*dask[:2], "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--no-dashboard"],
+        **quiet,
+    )
+    worker = subprocess.Popen(
+        [*dask[:2], "distributed.cli.dask_worker", address, "--nthreads", "8", "--resources", "GPU=1"]
+        + ["--no-dashboard"],
+        **quiet,
+    )
+    try:
+        import distributed
+
+        with distributed.Client(address, timeout=60) as client:
+            client.wait_for_workers(1, timeout=120)
+        yield address
+    finally:
+        for process in (worker, scheduler):
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def compare(
+    n: int, first: int = FIRST, top: int = 0, env: dict[str, str] | None = None, scheduler: bool = False
+) -> dict[str, Any]:
+    """Both runners, each in a fresh process; the ratios of what they hold per task run.
+    ``scheduler``: the default runner once more, against a scheduler in its own process."""
+    if not 0 < first < n:
+        raise ValueError(f"first must be > 0 and < tasks ({n}), got {first!r}")
+    results = {name: measure_in_child(name, n, first, top, env) for name in RUNNERS}
+    if scheduler:
+        with scheduler_process(env) as address:
+            results["dask-remote"] = measure_in_child("dask", n, first, top, env, address)
     threads, dask = results["threads"], results["dask"]
     return {
         "tasks": n,
+        "first": first,
         "runners": results,
         "held_ratio": dask["held_mib_per_1000"] / threads["held_mib_per_1000"],
         "held_rss_ratio": (
@@ -142,11 +239,15 @@ def compare(n: int, top: int = 0, env: dict[str, str] | None = None) -> dict[str
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{report['tasks']:,} task runs per flow; MiB per 1,000 task runs, after gc.collect()")
-    print(f"{'runner':<10}{'held (tracemalloc)':>20}{'held (RSS)':>12}{'kept after flow':>18}")
+    print(
+        f"{report['tasks']:,} task runs per flow run, held: the slope from {report['first']:,} to "
+        f"{report['tasks']:,}; MiB per 1,000 task runs, after gc.collect()"
+    )
+    print(f"{'runner':<14}{'held (tracemalloc)':>20}{'held (RSS)':>12}{'kept after flow':>18}")
     for name, r in report["runners"].items():
         print(
-            f"{name:<10}{r['held_mib_per_1000']:>20.2f}{r['held_rss_mib_per_1000']:>12.2f}{r['kept_mib_per_1000']:>18.3f}"
+            f"{name:<14}{r['held_mib_per_1000']:>20.2f}{r['held_rss_mib_per_1000']:>12.2f}"
+            f"{r['kept_mib_per_1000']:>18.3f}"
         )
     rss_ratio = report["held_rss_ratio"]
     print(
@@ -155,8 +256,12 @@ def print_table(report: dict[str, Any]) -> None:
     )
     for name, r in report["runners"].items():
         if r["top"]:
-            print(f"-- {name}: largest holders while held (bytes, blocks)")
+            print(f"-- {name}: largest growth between the two readings (bytes, blocks)")
             for where, size, count in r["top"]:
+                print(f"   {size:>12,} {count:>8,}  {where}")
+        if r.get("kept_top"):
+            print(f"-- {name}: largest holders left after the flow run (bytes, blocks)")
+            for where, size, count in r["kept_top"]:
                 print(f"   {size:>12,} {count:>8,}  {where}")
 
 
@@ -165,16 +270,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tasks", type=int, default=20_000, help="task runs per flow (default 20,000)")
+    parser.add_argument("--first", type=int, default=FIRST, help="task runs before the first reading")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--top", type=int, default=0, help="list the K largest holders in each process")
+    parser.add_argument(
+        "--scheduler-process", action="store_true", help="also: the scheduler in a process of its own"
+    )
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.tasks < 1:
-        raise ValueError(f"--tasks must be >= 1, got {args.tasks!r}")
+    if not 0 < args.first < args.tasks:
+        raise ValueError(f"--first must be > 0 and < --tasks ({args.tasks}), got {args.first!r}")
     if args.child:
-        print("BIG-FLOW " + json.dumps(_measure(args.child, args.tasks, args.top)), flush=True)
+        figures = _measure(args.child, args.tasks, args.first, args.top, args.address)
+        print("BIG-FLOW " + json.dumps(figures), flush=True)
         return
-    report = compare(args.tasks, args.top)
+    report = compare(args.tasks, args.first, args.top, scheduler=args.scheduler_process)
     print_table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -43,7 +43,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import died_running, worker_died_message
-from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock, settle
+from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock, is_moved, moved, settle
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     LOST,
@@ -700,14 +700,6 @@ def unsubscribe(client: Any, *topics: str) -> None:
             client.unsubscribe_topic(topic)
 
 
-_moved: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def is_moved(future: Any) -> bool:
-    """Whether a future's result moved into the flow before its worker restarted."""
-    return future in _moved
-
-
 class RecyclableFuture(PrefectDaskFuture):
     """The runner's ``PrefectDaskFuture``: its result may move into the flow while a
     thread waits on it. The move lets Dask forget the key, which cancels that wait;
@@ -760,10 +752,10 @@ def move_into_flow(future: Any, state: Any) -> None:
     that order: a thread waiting on the key then finds the state)."""
     with final_states_lock:
         _compat.set_future_final_state(future, state)
-    _moved.add(future)
+    moved.add(future)
     future.wrapped_future.release()
 
 
 def resolved(future: Any) -> Any:
     """What a task that depends on ``future`` is given: the moved state, or the Dask future."""
-    return _compat.future_final_state(future) if future in _moved else future.wrapped_future
+    return _compat.future_final_state(future) if future in moved else future.wrapped_future

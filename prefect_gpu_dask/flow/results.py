@@ -10,13 +10,22 @@ A flow reads results in the order it submitted them, mostly (``[f.result() for f
 futures]``, ``futures.result()``, ``wait(futures)``). So a fetch here also takes the
 futures submitted right after it that have finished, in the same gather, where their
 states are small: a task returning a large array leaves it where it is until the flow
-asks for it. A future whose state came this way answers ``result()`` without Dask; its
-Dask future stays, so a task that depends on it still gets the value from the worker.
+asks for it. A future whose state came this way answers ``result()`` without Dask.
+
+Once a small state is in the flow its Dask key is released (``moved``): the scheduler
+forgets the task (its arguments, its bookkeeping) and the worker its copy of the
+state, which a big flow's process would otherwise hold per task run, twice where the
+scheduler lives in it (a local cluster). A task submitted later that depends on it is
+given the state itself (``recycling.resolved``), as it is after a recycled worker's
+results moved into the flow. A large state keeps its key: a task that depends on it
+gets the value from the worker. States arrive unpickled, each with its own copy of
+every field name; ``compact`` shares them, as states made in this process do.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from typing import Any
@@ -24,9 +33,11 @@ from typing import Any
 import distributed
 from dask.utils import parse_bytes
 from prefect.client.schemas.objects import State
+from pydantic import BaseModel
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.scheduler.recycling import result_sizes
+from prefect_gpu_dask.worker.recycling import result_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +50,30 @@ READ_AHEAD_MAX_BYTES = parse_bytes("64 KiB")
 # Held while a future's final state is set: one a restart moved into the flow
 # (``recycling.move_into_flow``) is never replaced by one read ahead.
 final_states_lock = threading.Lock()
+
+# Futures whose final state is in the flow and whose Dask key was released: by a restart
+# (``recycling.move_into_flow``), or read ahead while small (``ReadAhead``).
+moved: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def is_moved(future: Any) -> bool:
+    """Whether a future's final state is in the flow and its Dask key released."""
+    return future in moved
+
+
+def compact(value: Any, depth: int = 0) -> Any:
+    """``value`` (an unpickled Prefect state, say) with the field names of each pydantic
+    model in it shared (interned) instead of one copy per object, as a model validated
+    in this process has them; its values are left as they are."""
+    if isinstance(value, BaseModel) and depth < 8:
+        try:
+            fields = {sys.intern(k): compact(v, depth + 1) for k, v in value.__dict__.items()}
+            object.__setattr__(value, "__dict__", fields)
+            fields_set = {sys.intern(k) for k in value.__pydantic_fields_set__}
+            object.__setattr__(value, "__pydantic_fields_set__", fields_set)
+        except (AttributeError, TypeError):  # a model that keeps its fields otherwise
+            pass
+    return value
 
 
 def settle(future: Any, state: Any) -> None:
@@ -94,9 +129,18 @@ class ReadAhead:
             # Something about the others: the caller's own path fetches this one alone.
             logger.debug("Reading ahead of %s failed", wrapped.key, exc_info=True)
             return False
-        for key, state in states.items():
-            if isinstance(state, State):
-                settle(wanted[key], state)
+        done = []
+        with final_states_lock:
+            for key, state in states.items():
+                if isinstance(state, State) and _compat.future_final_state(wanted[key]) is None:
+                    _compat.set_future_final_state(wanted[key], compact(state))
+                    done.append(key)
+        for key in done:
+            self._forget(key)
+            nbytes = result_nbytes(states[key])
+            if nbytes is not None and nbytes <= self.max_bytes:  # Dask may forget the task now
+                moved.add(wanted[key])
+                wanted[key].wrapped_future.release()
         return _compat.future_final_state(future) is not None
 
     def _finished_after(self, key: str) -> dict[str, Any]:

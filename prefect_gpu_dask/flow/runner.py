@@ -12,7 +12,9 @@ uses prefect-dask's own ``_client``, ``_cluster``, ``_exit_stack`` and ``_starte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -63,8 +65,13 @@ from prefect_gpu_dask.worker.stream import PromptStream
 
 P = ParamSpec("P")
 R = TypeVar("R")
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(TaskRecord))
 
 __all__ = ["GPUDaskTaskRunner", "MissingResourceError"]
+
+
+def _record(values: tuple[Any, ...]) -> TaskRecord:
+    return TaskRecord(**dict(zip(_RECORD_FIELDS, values, strict=True)))
 
 
 class GPUDaskTaskRunner(DaskTaskRunner):
@@ -186,8 +193,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         # This flow run's records as the subscription delivers them: reading them back with
         # get_events would fetch every flow run's records the scheduler keeps (up to
         # distributed.admin.low-level-log-length), a cost that grows with the cluster's age.
-        self._heard: list[TaskRecord] = []
+        # Each record's values only (a record's own attribute dict costs four times as much).
+        self._heard: list[tuple[Any, ...]] = []
         self._made_cluster = False  # a cluster this runner built closes with the flow
+        # What restarts and quarantines said once the flow run ended (``_forget_flow_run``).
+        self._ended_restarts: tuple[RestartRecord, ...] = ()
+        self._ended_quarantines: tuple[GPUQuarantine, ...] = ()
 
     # -- settings round-trip ------------------------------------------------------
     def _arguments(self) -> dict[str, Any]:
@@ -223,7 +234,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     @property
     def restarts(self) -> tuple[RestartRecord, ...]:
         """Workers this runner recycled, in order."""
-        return self._recycler.restarts if self._recycler is not None else ()
+        return self._recycler.restarts if self._recycler is not None else self._ended_restarts
 
     @property
     def records(self) -> tuple[TaskRecord, ...]:
@@ -235,13 +246,13 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         """
         if self._flow_run_id is None or not self._guard_on:
             return ()
-        return tuple(r for r in self._heard if r.flow_run_id == self._flow_run_id)
+        return tuple(r for r in map(_record, self._heard) if r.flow_run_id == self._flow_run_id)
 
     @property
     def quarantines(self) -> tuple[GPUQuarantine, ...]:
         """GPUs found unhealthy in this runner's cluster, the latest word on each."""
         if self._client is None or not self._guard_on:
-            return ()
+            return self._ended_quarantines
         latest = {}
         for _, event in self._client.get_events(UNHEALTHY_TOPIC):
             record = GPUQuarantine.from_event(event)
@@ -462,10 +473,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     # -- what the workers report --------------------------------------------------
     def _on_record(self, event: tuple[float, dict[str, Any]]) -> None:
-        record = TaskRecord.from_event(event[1])
+        # Kept for the flow run (``records``): its texts (worker, flow run, verdict...)
+        # shared between records, not one copy each as they arrive.
+        record = TaskRecord.from_event(
+            {k: sys.intern(v) if isinstance(v, str) else v for k, v in event[1].items()}
+        )
         if not self._ours(record.flow_run_id):
             return
-        self._heard.append(record)
+        self._heard.append(tuple(getattr(record, name) for name in _RECORD_FIELDS))
         self._live.publish(record)  # the artifact and the leak event, in the flow's context
         if record.restart_reason:
             self._recycler.request(record.worker, record.restart_reason, record)
@@ -517,6 +532,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 self._live.close()
             if self._guard_on and self._flow_run_id and connected:
                 records, restarts, quarantines = self.records, self.restarts, self.quarantines
+                self._ended_quarantines = quarantines
                 if records or restarts or quarantines:
                     reporting.publish_artifacts(
                         self._flow_run_id, records, restarts, quarantines, self._flow_name, self.logger
@@ -530,5 +546,22 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 super().__exit__(*exc_info)
             finally:
                 if ran_flow:
+                    self._forget_flow_run()
                     release_freed_heap_soon()
 
+    def _forget_flow_run(self) -> None:
+        """Drop what served the ended flow run but its records, restarts and quarantines.
+
+        Prefect's own services (the API log and event workers) run asyncio tasks started
+        in the flow run's context, which holds this runner: it outlives the flow run, and
+        would keep the closed client, the cluster it closed (its scheduler's tasks and event
+        log, on a local cluster) and the submitter's per-flow-run objects with it. A runner
+        entered again starts or joins its cluster anew, as a new one does."""
+        self._submitter = self._resource_wait = self._offers = None
+        recycler = self._recycler
+        if recycler is not None and (recycler._thread is None or not recycler._thread.is_alive()):
+            self._ended_restarts, self._recycler = recycler.restarts, None
+        if self._recycler is None:  # nothing left that would use the client
+            self._client = None
+        if self._made_cluster:  # closed with the flow run; duplicate() never passes it on
+            self._cluster = self._connect_to = None

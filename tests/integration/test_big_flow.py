@@ -1,6 +1,8 @@
 """A big flow stays light: per task run, the default runner's flow process holds at most
 1.5x what Prefect's ``ThreadPoolTaskRunner`` holds, and nothing per task run outlives
-the flow run (``benchmarks.big_flow``, a smaller flow)."""
+the flow run (``benchmarks.big_flow``, a smaller flow: the slope from 1,000 to 3,000
+task runs, so that distributed's logs of 1,000 entries and the runner's bounded caches,
+full by the first reading, do not count per task run)."""
 
 from __future__ import annotations
 
@@ -8,18 +10,21 @@ import os
 
 from benchmarks.big_flow import compare, print_table
 
-TASKS = 2000
+TASKS = 3000
+FIRST = 1000
 MAX_RATIO = 1.5
 
 
 def test_a_big_flow_holds_at_most_one_and_a_half_times_the_thread_pool_per_task_run(prefect_api):
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    report = compare(TASKS, top=10, env=env)
+    report = compare(TASKS, FIRST, top=10, env=env)
     print_table(report)
     threads, dask = report["runners"]["threads"], report["runners"]["dask"]
+    # Each keeps at least a final state per future: a reading that saw nothing is no check.
+    assert threads["held_mib_per_1000"] > 1.0, threads
     assert report["held_ratio"] <= MAX_RATIO, (
         f"the default runner holds {dask['held_mib_per_1000']:.1f} MiB per 1,000 task runs, "
         f"the thread pool {threads['held_mib_per_1000']:.1f} ({report['held_ratio']:.2f}x)"
     )
-    # Left after the flow run: one-time caches, not a part per task run.
+    # Left after the flow run: Prefect's own (the thread pool's figure), not a part per task run.
     assert dask["kept_mib_per_1000"] <= max(1.5 * threads["kept_mib_per_1000"], 1.0), (dask, threads)

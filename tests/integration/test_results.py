@@ -79,16 +79,19 @@ def test_a_result_brings_the_small_finished_states_submitted_after_it(remote_clu
         _finished(futures)
         first = futures[0].result()
         fetched = [future_final_state(f) is not None for f in futures]
-        # A future read ahead keeps its Dask future: a task given it gets the value from the worker.
-        kept = futures[3].wrapped_future.status
+        # A small state in the flow lets Dask forget its task: a task given it gets the state.
+        released = [f.wrapped_future.status for f in futures[:8]]
         downstream = plus_one.submit(futures[3]).result()
-        return first, fetched, kept, [f.result() for f in futures], downstream
+        results = [f.result() for f in futures]
+        # A large one keeps its Dask future: a task given it gets the value from the worker.
+        kept = futures[8].wrapped_future.status
+        return first, fetched, released, kept, results, downstream
 
-    first, fetched, kept, results, downstream = read_in_order()
+    first, fetched, released, kept, results, downstream = read_in_order()
     assert first == 0
     # The large and the opaque states stay on their worker until asked for; the one after came along.
     assert fetched == [True] * 8 + [False, False, True]
-    assert kept == "finished"
+    assert released == ["cancelled"] * 8 and kept == "finished"
     assert results == [*range(8), b"x" * (2 * READ_AHEAD_MAX_BYTES), Opaque(bytes(3)), 99]
     assert downstream == 4
 
