@@ -90,7 +90,10 @@ def _runner(runner_name: str, address: str | None) -> Any:
         return one_gpu_slot_runner()
     from prefect_gpu_dask import GPUDaskTaskRunner
 
-    return GPUDaskTaskRunner(address=address, memory_probe="benchmarks.recycle_soak:scripted_gpu_probe")
+    # The scripted probe's GPU names no device: no host-wide GPU lock to take.
+    return GPUDaskTaskRunner(
+        address=address, memory_probe="benchmarks.recycle_soak:scripted_gpu_probe", host_gpu_lock=False
+    )
 
 
 def _measure(runner_name: str, n: int, first: int, top: int, address: str | None = None) -> dict[str, Any]:
@@ -186,16 +189,15 @@ def scheduler_process(env: dict[str, str] | None = None) -> Iterator[str]:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    dask = [sys.executable, "-m", "distributed.cli"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env, "cwd": root}
     scheduler = subprocess.Popen(
-        [*dask[:2], "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
         + ["--no-dashboard"],
         **quiet,
     )
     worker = subprocess.Popen(
-        [*dask[:2], "distributed.cli.dask_worker", address, "--nthreads", "8", "--resources", "GPU=1"]
-        + ["--no-dashboard"],
+        [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "8"]
+        + ["--resources", "GPU=1", "--no-dashboard"],
         **quiet,
     )
     try:

@@ -41,12 +41,14 @@ def across_a_hang(address: str, ledger: str, started: str) -> list[int]:
     @flow(task_runner=GPUDaskTaskRunner(address=address, memory_probe=FAKE_PROBE))
     def holds_a_result_across_a_hang() -> list[int]:
         first = noted.submit(ledger, 0)
-        first.wait()  # done: its worker holds the result for this flow run
+        # Done, not read (a state read into the flow lets Dask forget it): its worker holds it.
+        first.wrapped_future.result(timeout=60)
         while not os.path.exists(started) or not open(started).read():
             time.sleep(0.05)
         time.sleep(3)  # past the hung task's deadline: its worker is being recycled
         later = noted.submit(ledger, 1)
-        return [first.result(), later.result()]
+        after = later.result()  # first: reading the first result would let its worker restart at once
+        return [first.result(), after]
 
     return holds_a_result_across_a_hang()
 
