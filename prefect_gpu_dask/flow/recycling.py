@@ -36,7 +36,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import CancelledError
 from prefect_dask.task_runners import PrefectDaskFuture
@@ -72,6 +72,10 @@ from prefect_gpu_dask.scheduler.recycling import (
 )
 from prefect_gpu_dask.worker.guard import replacement_state
 from prefect_gpu_dask.worker.recycling import drain, resume
+
+if TYPE_CHECKING:
+    import distributed
+    from prefect.client.schemas.objects import State
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +114,7 @@ class Recycler:
 
     def __init__(
         self,
-        client: Any,
+        client: distributed.Client,
         policy: str,
         logger: logging.Logger,
         on_restart: Callable[[RestartRecord], None] = lambda record: None,
@@ -124,7 +128,7 @@ class Recycler:
         self.timeout = timeout
         self.ours = ours  # whether an event naming this flow run id is for this flow
         self._restarts: list[RestartRecord] = []
-        self._futures: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self._futures: weakref.WeakValueDictionary[str, RecyclableFuture] = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
         self._requests: queue.Queue[_Request | None] = queue.Queue()
         self._pending: set[str] = set()
@@ -174,7 +178,7 @@ class Recycler:
         back onto the same GPU."""
         self.leave_alone(quarantine.worker, "its GPU is quarantined")
 
-    def track(self, key: str, future: Any) -> None:
+    def track(self, key: str, future: RecyclableFuture) -> None:
         self._futures[key] = future
 
     def request(
@@ -290,7 +294,7 @@ class Recycler:
                 if not died_running(started_there, state):
                     continue
                 message = worker_died_message(dead, why)
-                crashed = Crashed(message=message)
+                crashed: State[Any] = Crashed(message=message)
                 try:
                     crashed = api.set_task_run_state(run_id, crashed, force=True).state or crashed
                 except ObjectNotFound:
@@ -333,7 +337,7 @@ class Recycler:
                 "the worker is recycled"
             )
         self.logger.error("Task run %r: %s", hung.task_run_name, message)
-        state = Failed(name="TimedOut", message=message)
+        state: State[Any] = Failed(name="TimedOut", message=message)
         try:
             with get_client(sync_client=True) as api:
                 state = api.set_task_run_state(uuid.UUID(hung.task_run_id), state, force=True).state or state
@@ -628,7 +632,7 @@ class Recycler:
         them; the number moved."""
         return self._move_gathered(self._gather_states(keys))
 
-    def _gather_states(self, keys: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+    def _gather_states(self, keys: Iterable[str]) -> dict[str, tuple[RecyclableFuture, State[Any]]]:
         """The Prefect states held under ``keys`` (of finished futures), with their futures."""
         futures = {key: f for key in keys if (f := self._futures.get(key)) is not None and not is_moved(f)}
         if not futures:
@@ -637,7 +641,7 @@ class Recycler:
         return {key: (futures[key], state) for key, state in states.items()}
 
     @staticmethod
-    def _move_gathered(states: dict[str, tuple[Any, Any]]) -> int:
+    def _move_gathered(states: dict[str, tuple[RecyclableFuture, State[Any]]]) -> int:
         moved = 0
         for future, state in states.values():
             if not is_moved(future):
@@ -689,7 +693,7 @@ class Recycler:
         )
 
 
-def unsubscribe(client: Any, *topics: str) -> None:
+def unsubscribe(client: distributed.Client, *topics: str) -> None:
     """Take ``client``'s subscriptions to ``topics`` off the scheduler. A scheduler keeps
     a client's subscriptions after the client leaves: on a long-lived cluster every flow
     run would leave its own behind, each one more address every event is sent to."""
@@ -747,7 +751,7 @@ class RecyclableFuture(PrefectDaskFuture):
             return super().result(timeout, raise_on_failure)  # now read from the moved state
 
 
-def move_into_flow(future: Any, state: Any) -> None:
+def move_into_flow(future: PrefectDaskFuture[Any], state: State[Any]) -> None:
     """``future``'s final state is ``state`` from now on; Dask may forget its key (in
     that order: a thread waiting on the key then finds the state)."""
     with final_states_lock:
@@ -756,6 +760,6 @@ def move_into_flow(future: Any, state: Any) -> None:
     future.wrapped_future.release()
 
 
-def resolved(future: Any) -> Any:
+def resolved(future: PrefectDaskFuture[Any]) -> Any:
     """What a task that depends on ``future`` is given: the moved state, or the Dask future."""
     return _compat.future_final_state(future) if future in moved else future.wrapped_future

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import MissingResourceError
@@ -37,6 +37,12 @@ from prefect_gpu_dask.flow.results import final_states_lock, settle
 from prefect_gpu_dask.flow.routing import WorkerOffers
 from prefect_gpu_dask.resources import Resources, satisfiable
 from prefect_gpu_dask.scheduler.fallback import fail, release, stranded
+
+if TYPE_CHECKING:
+    import distributed
+    from prefect.client.schemas.objects import State
+    from prefect.tasks import Task
+    from prefect_dask.task_runners import PrefectDaskFuture
 
 # How often the watch asks the scheduler whether it has any worker: at most this long...
 WATCH_TICK_S = 1.0
@@ -51,7 +57,7 @@ TASK_ATTRIBUTE = "_prefect_gpu_dask_task"
 WRAPPERS = ("failed to start", "Worker failed to connect", "Cluster failed to start")
 
 
-def remember_task(future: Any, task: Any) -> None:
+def remember_task(future: PrefectDaskFuture[Any], task: Task[..., Any]) -> None:
     """Keep the Prefect ``task`` that ``future``'s run runs, for ``FailedRuns``."""
     setattr(future, TASK_ATTRIBUTE, task)
 
@@ -59,11 +65,13 @@ def remember_task(future: Any, task: Any) -> None:
 def worker_start_error(exc: BaseException) -> str | None:
     """The error under distributed's "Nanny failed to start" (and the like) in
     ``exc``'s chain of causes, as "Type: text"; None where there is none beneath."""
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        chain.append(link)
+        link = link.__cause__ or link.__context__
     root = chain[-1]
     if len(chain) == 1 or any(w in str(root) for w in WRAPPERS):
         return None
@@ -108,7 +116,12 @@ class FailedRuns:
     error finds the state too), and in Prefect's API, where a run no worker started has
     no record yet and gets one. ``future_of``: the flow's future for a Dask key."""
 
-    def __init__(self, future_of: Callable[[str], Any], flow_run_id: Callable[[], str | None], logger: Any):
+    def __init__(
+        self,
+        future_of: Callable[[str], PrefectDaskFuture[Any] | None],
+        flow_run_id: Callable[[], str | None],
+        logger: logging.Logger,
+    ):
         self._future_of = future_of
         self._flow_run_id = flow_run_id
         self._logger = logger
@@ -117,7 +130,7 @@ class FailedRuns:
         self._recorded = threading.Event()  # no record under way
         self._recorded.set()
 
-    def settle(self, keys: Iterable[str], message: str) -> dict[str, Any]:
+    def settle(self, keys: Iterable[str], message: str) -> dict[str, PrefectDaskFuture[Any]]:
         """Give ``keys``' futures that have no final state yet a ``Failed`` one."""
         from prefect.states import Failed
 
@@ -126,20 +139,20 @@ class FailedRuns:
             future = self._future_of(key)
             if future is None or _compat.future_final_state(future) is not None:
                 continue
-            state = Failed(message=message, data=MissingResourceError(message))
+            state: State[Any] = Failed(message=message, data=MissingResourceError(message))
             settle(future, state)
             if _compat.future_final_state(future) is state:
                 settled[key] = future
         return settled
 
     @staticmethod
-    def unsettle(futures: Iterable[Any]) -> None:
+    def unsettle(futures: Iterable[PrefectDaskFuture[Any]]) -> None:
         """Take back the ``Failed`` state of futures whose task a worker took after all."""
         with final_states_lock:
             for future in futures:
                 _compat.set_future_final_state(future, None)
 
-    def record(self, futures: Iterable[Any], message: str) -> None:
+    def record(self, futures: Iterable[PrefectDaskFuture[Any]], message: str) -> None:
         """Write the ``Failed`` state of ``futures``' task runs to Prefect's API."""
         futures = list(futures)
         if not futures:
@@ -154,7 +167,7 @@ class FailedRuns:
         """Let a record under way reach the API before the flow run ends (at most ``timeout``)."""
         self._recorded.wait(timeout)
 
-    def _record(self, futures: list[Any], message: str) -> None:
+    def _record(self, futures: list[PrefectDaskFuture[Any]], message: str) -> None:
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
         from prefect.states import Failed
@@ -201,9 +214,9 @@ class ResourceWait:
 
     def __init__(
         self,
-        client: Any,
+        client: distributed.Client,
         offers: WorkerOffers,
-        logger: Any,
+        logger: logging.Logger,
         on_missing: str,
         on_interrupted: Callable[[Mapping[str, tuple[str, bool]], str], object] = lambda runs, why: None,
         *,

@@ -24,11 +24,12 @@ every field name; ``compact`` shares them, as states made in this process do.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import distributed
 from dask.utils import parse_bytes
@@ -38,6 +39,9 @@ from pydantic import BaseModel
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.scheduler.recycling import result_sizes
 from prefect_gpu_dask.worker.recycling import result_nbytes
+
+if TYPE_CHECKING:
+    from prefect_dask.task_runners import PrefectDaskFuture
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +57,10 @@ final_states_lock = threading.Lock()
 
 # Futures whose final state is in the flow and whose Dask key was released: by a restart
 # (``recycling.move_into_flow``), or read ahead while small (``ReadAhead``).
-moved: weakref.WeakSet[Any] = weakref.WeakSet()
+moved: weakref.WeakSet[PrefectDaskFuture[Any]] = weakref.WeakSet()
 
 
-def is_moved(future: Any) -> bool:
+def is_moved(future: PrefectDaskFuture[Any]) -> bool:
     """Whether a future's final state is in the flow and its Dask key released."""
     return future in moved
 
@@ -76,7 +80,7 @@ def compact(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def settle(future: Any, state: Any) -> None:
+def settle(future: PrefectDaskFuture[Any], state: State[Any]) -> None:
     """``future``'s final state is ``state``, unless it has one already."""
     with final_states_lock:
         if _compat.future_final_state(future) is None:
@@ -86,7 +90,9 @@ def settle(future: Any, state: Any) -> None:
 class ReadAhead:
     """One flow run's futures in submission order, and the fetch that reads ahead."""
 
-    def __init__(self, client: Any, window: int | None = None, max_bytes: int = READ_AHEAD_MAX_BYTES):
+    def __init__(
+        self, client: distributed.Client, window: int | None = None, max_bytes: int = READ_AHEAD_MAX_BYTES
+    ):
         window = READ_AHEAD if window is None else window
         if window < 0:
             raise ValueError(f"window must be >= 0, got {window!r}")
@@ -96,17 +102,17 @@ class ReadAhead:
         self._lock = threading.RLock()  # a future's death may forget it while this thread holds it
         self._next = 0
         self._position: dict[str, int] = {}
-        self._by_position: dict[int, weakref.ref[Any]] = {}
+        self._by_position: dict[int, weakref.ref[PrefectDaskFuture[Any]]] = {}
 
-    def track(self, key: str, future: Any) -> None:
+    def track(self, key: str, future: PrefectDaskFuture[Any]) -> None:
         """``future`` (for Dask's ``key``) was submitted now."""
         with self._lock:
             position = self._next
             self._next += 1
             self._position[key] = position
-            self._by_position[position] = weakref.ref(future, lambda _, k=key: self._forget(k))
+            self._by_position[position] = weakref.ref(future, functools.partial(self._forgotten, key))
 
-    def fetch(self, future: Any, timeout: float | None = None) -> bool:
+    def fetch(self, future: PrefectDaskFuture[Any], timeout: float | None = None) -> bool:
         """Wait for ``future`` and give it its final state, with the finished, small ones
         submitted after it. False where it did not finish well within ``timeout`` (an
         error, a cancellation, still running): the caller's own path says why."""
@@ -120,7 +126,8 @@ class ReadAhead:
                 return False
         if wrapped.status != "finished":
             return False
-        wanted = {wrapped.key: future, **self._small(wrapped.key, self._finished_after(wrapped.key))}
+        key = str(wrapped.key)  # the runner's keys are strings (``submission``)
+        wanted = {key: future, **self._small(key, self._finished_after(key))}
         try:
             states = self.client.gather({key: f.wrapped_future for key, f in wanted.items()}, errors="skip")
         except Exception:
@@ -143,15 +150,17 @@ class ReadAhead:
                 wanted[key].wrapped_future.release()
         return _compat.future_final_state(future) is not None
 
-    def _finished_after(self, key: str) -> dict[str, Any]:
+    def _finished_after(self, key: str) -> dict[str, PrefectDaskFuture[Any]]:
         with self._lock:
             start = self._position.get(key)
             after = range(start + 1, start + 1 + self.window) if start is not None else range(0)
             refs = [ref for position in after if (ref := self._by_position.get(position)) is not None]
         futures = [f for ref in refs if (f := ref()) is not None and _compat.future_final_state(f) is None]
-        return {f.wrapped_future.key: f for f in futures if f.wrapped_future.status == "finished"}
+        return {str(f.wrapped_future.key): f for f in futures if f.wrapped_future.status == "finished"}
 
-    def _small(self, beside: str, futures: dict[str, Any]) -> dict[str, Any]:
+    def _small(
+        self, beside: str, futures: dict[str, PrefectDaskFuture[Any]]
+    ) -> dict[str, PrefectDaskFuture[Any]]:
         """Those of ``futures`` whose workers said they hold small, plain data, on a
         worker that holds ``beside`` too: a worker lost takes the one asked for with
         them, so none is waited for longer. Dask's own ``nbytes`` cannot say: it sizes
@@ -168,6 +177,10 @@ class ReadAhead:
             logger.debug("Could not size results ahead of %s", beside, exc_info=True)
             return {}
         return {key: f for key, f in futures.items() if sizes.get(key, self.max_bytes + 1) <= self.max_bytes}
+
+    def _forgotten(self, key: str, _: weakref.ref[PrefectDaskFuture[Any]]) -> None:
+        """A tracked future died: ``key``'s place is no longer looked at."""
+        self._forget(key)
 
     def _forget(self, key: str) -> None:
         with self._lock:

@@ -55,6 +55,7 @@ from prefect_gpu_dask.settings import (
     RunnerSettings,
     check_cluster_kwargs,
     check_connection,
+    parse_threshold,
 )
 from prefect_gpu_dask.worker.compute import ShareServer
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
@@ -138,7 +139,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             tag_resources=tag_resources if tag_resources is not None else {},
             on_missing_gpu=on_missing_gpu,
             guard=guard,
-            leak_threshold=leak_threshold,
+            leak_threshold=parse_threshold(leak_threshold),
             memory_limit=memory_limit,
             restart=restart,
             restart_after_tasks=restart_after_tasks,
@@ -163,13 +164,14 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         # (Prefect loads a deployment's flow in a worker thread), the cluster class is not
         # imported yet: some (dask-jobqueue's) set a signal handler at import, which only the
         # main thread may do. Elsewhere it is imported here, so a typo fails at once.
-        deferred = clusters.import_later(cluster_class)
+        parent_class: str | Callable[..., Any] | None = cluster_class
+        deferred = clusters.import_later(cluster_class)  # only ever a dotted name
+        if deferred and isinstance(cluster_class, str):
+            parent_class = functools.partial(clusters.resolve_cluster_class, cluster_class)
         super().__init__(
             cluster=cluster,
             address=address,
-            cluster_class=functools.partial(clusters.resolve_cluster_class, cluster_class)
-            if deferred
-            else cluster_class,
+            cluster_class=parent_class,
             cluster_kwargs=cluster_kwargs,
             adapt_kwargs=adapt_kwargs,
             client_kwargs=client_kwargs,
@@ -281,31 +283,32 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                     self._exit_stack.callback(start_errors.detach)
                 else:
                     start_errors.detach()
-            self._offers = WorkerOffers.of_client(client)
-            self._recycler = Recycler(
+            self._offers = offers = WorkerOffers.of_client(client)
+            self._recycler = recycler = Recycler(
                 client, self.settings.restart, self.logger, on_restart=self._on_restart, ours=self._ours
             )
-            self._resource_wait = ResourceWait(
+            self._resource_wait = resource_wait = ResourceWait(
                 client,
-                self._offers,
+                offers,
                 self.logger,
                 self.settings.on_missing_gpu,
-                on_interrupted=self._recycler.crash_interrupted,
+                on_interrupted=recycler.crash_interrupted,
                 address=client.scheduler.address,
                 start_errors=start_errors.texts,
-                failed_runs=FailedRuns(self._recycler._futures.get, lambda: self._flow_run_id, self.logger),
+                failed_runs=FailedRuns(recycler._futures.get, lambda: self._flow_run_id, self.logger),
             )
             # No worker at all: every task waits gpu_wait_s for one, on any cluster; a worker
             # being recycled is coming back.
-            self._resource_wait.watch_workers(
-                self._recycler.unfinished_keys,
+            resource_wait.watch_workers(
+                recycler.unfinished_keys,
                 self.settings.gpu_wait_s,
-                restarting=lambda: bool(self._recycler._pending),
+                restarting=lambda: bool(recycler._pending),
             )
-            self._recycler.start()
-            self._submitter = TaskSubmitter(client, self._recycler, self._resource_wait, self.settings)
-            self._register_plugins(client)
-            self._submitter.prepare_workers()
+            recycler.start()
+            self._submitter = submitter = TaskSubmitter(client, recycler, resource_wait, self.settings)
+            self._register_plugins(client, offers, recycler)
+            submitter.prepare_workers()
+            return client
         return self._client
 
     def _connect(self) -> PrefectDaskClient:
@@ -330,7 +333,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._can_grow = clusters.start(self)
         return super().client
 
-    def _register_plugins(self, client: distributed.Client) -> None:
+    def _register_plugins(self, client: distributed.Client, offers: WorkerOffers, recycler: Recycler) -> None:
         """The labels, the share server, the heap freezer, the prompt stream and the early
         start notices on every worker, and the guard where the cluster has (or may get) a GPU.
 
@@ -357,7 +360,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client.register_plugin(EarlyStartNotices(), name=EarlyStartNotices.name)
         except Exception as exc:  # task runs still send their own, from their threads
             self.logger.warning("Could not let workers send start notices as tasks start: %s", exc)
-        offered = self._offers.refresh()
+        offered = offers.refresh()
         if self.settings.guard == "off":
             return
         if not offered:
@@ -381,10 +384,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         client.register_plugin(GPUMemoryGuard(self.settings), name=GPUMemoryGuard.name)
         self._guard_on = True
         for quarantine in self.quarantines:  # found before this flow, on a shared cluster
-            self._recycler.quarantined(quarantine)
+            recycler.quarantined(quarantine)
 
     # -- submission ---------------------------------------------------------------
-    @overload
+    # The overloads are prefect-dask's DaskTaskRunner's, which narrow TaskRunner's return
+    # type to PrefectDaskFuture: mypy reports that on any subclass that mirrors them.
+    @overload  # type: ignore[override]
     def submit(
         self,
         task: Task[P, Coroutine[Any, Any, R]],
@@ -402,7 +407,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         dependencies: dict[str, set[RunInput]] | None = None,
     ) -> PrefectDaskFuture[R]: ...
 
-    def submit(
+    def submit(  # type: ignore[misc]  # prefect-dask's implementation signature, as it is
         self,
         task: Task[P, R] | Task[P, Coroutine[Any, Any, R]],
         parameters: dict[str, Any],
@@ -413,8 +418,12 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             raise RuntimeError("The task runner must be started before submitting work.")
         self._note_flow_run()
         self.client  # noqa: B018  # start the cluster before routing needs its workers
+        # The client property built them with the client; only a flow run's end drops them.
+        recycler, submitter = self._recycler, self._submitter
+        if recycler is None or submitter is None:
+            raise RuntimeError("The task runner's flow run has ended: enter it again to submit work.")
         # Routed under the recycler's hold: a worker being recycled is not "missing".
-        with self._recycler.submissions():
+        with recycler.submissions():
             route = self.router.route(
                 task.name,
                 task.tags | TagsContext.get().current_tags,
@@ -427,13 +436,13 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 oom_retries=self.settings.oom_retries,
                 host_gpu_lock=self.settings.host_gpu_lock,
             )
-            future = self._submitter.submit(task, route, parameters, wait_for, dependencies)
+            future = submitter.submit(task, route, parameters, wait_for, dependencies)
         remember_task(future, task)  # a run no worker starts gets its Failed record from it
         if self._on_ephemeral_api:  # its process keeps the server up until it is recorded
             count_when_done(future)
         return future
 
-    @overload
+    @overload  # type: ignore[override]  # prefect-dask's overloads, as for submit
     def map(
         self,
         task: Task[P, Coroutine[Any, Any, R]],
@@ -449,7 +458,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         wait_for: Iterable[PrefectFuture[Any]] | None = None,
     ) -> PrefectFutureList[PrefectDaskFuture[R]]: ...
 
-    def map(
+    def map(  # type: ignore[misc]  # prefect-dask's implementation signature, as it is
         self,
         task: Task[P, R],
         parameters: dict[str, Any],
@@ -463,7 +472,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
 
     def _note_flow_run(self) -> None:
         """Remember the flow run this runner serves, from the context it runs in."""
-        if self._flow_run_id is None and (ctx := FlowRunContext.get()) is not None:
+        ctx = FlowRunContext.get()
+        if self._flow_run_id is None and ctx is not None and ctx.flow_run is not None:
             self._flow_run_id = str(ctx.flow_run.id)
             self._flow_name = ctx.flow.name if ctx.flow is not None else None
 
@@ -481,27 +491,36 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if not self._ours(record.flow_run_id):
             return
         self._heard.append(tuple(getattr(record, name) for name in _RECORD_FIELDS))
-        self._live.publish(record)  # the artifact and the leak event, in the flow's context
-        if record.restart_reason:
+        # Both None only once the flow run ended: an event heard late changes nothing.
+        if self._live is not None:
+            self._live.publish(record)  # the artifact and the leak event, in the flow's context
+        if record.restart_reason and self._recycler is not None:
             self._recycler.request(record.worker, record.restart_reason, record)
 
     def _on_unhealthy(self, event: tuple[float, dict[str, Any]]) -> None:
         quarantine = GPUQuarantine.from_event(event[1])
-        self._recycler.quarantined(quarantine)
-        self._offers.refresh_soon()
-        self._live.quarantined(quarantine)
+        # None only once the flow run ended: an event heard late changes nothing.
+        if self._recycler is not None:
+            self._recycler.quarantined(quarantine)
+        if self._offers is not None:
+            self._offers.refresh_soon()
+        if self._live is not None:
+            self._live.quarantined(quarantine)
 
     def _on_restart(self, restart: RestartRecord) -> None:
-        if restart.lost:  # what waited for that worker may have nowhere left to run
-            # Submissions asking for resources, routed from here on, see the worker gone and
-            # wait as for a missing GPU; those routed before are tracked once the hold is taken.
+        # The recycler's thread calls this while the flow run holds them all.
+        offers, recycler, resource_wait = self._offers, self._recycler, self._resource_wait
+        if restart.lost and offers is not None and recycler is not None and resource_wait is not None:
+            # What waited for that worker may have nowhere left to run. Submissions asking
+            # for resources, routed from here on, see the worker gone and wait as for a
+            # missing GPU; those routed before are tracked once the hold is taken.
             try:
-                self._offers.refresh()
+                offers.refresh()
             except Exception as exc:  # the cluster closing, say: the stale answer expires soon
                 self.logger.debug("Could not refresh the workers' offers: %r", exc)
-            with self._recycler.submissions():
-                unfinished = self._recycler.unfinished_keys()
-            self._resource_wait.strand(unfinished, self._wait_s())
+            with recycler.submissions():
+                unfinished = recycler.unfinished_keys()
+            resource_wait.strand(unfinished, self._wait_s())
         reporting.emit_restart_event(restart)
 
     # -- context ------------------------------------------------------------------
@@ -537,7 +556,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                     reporting.publish_artifacts(
                         self._flow_run_id, records, restarts, quarantines, self._flow_name, self.logger
                     )
-            if self._guard_on:
+            if self._guard_on and self._client is not None:
                 unsubscribe(self._client, RECORD_TOPIC, UNHEALTHY_TOPIC)
         except Exception:
             self.logger.exception("Could not publish the GPU memory report")
@@ -564,4 +583,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         if self._recycler is None:  # nothing left that would use the client
             self._client = None
         if self._made_cluster:  # closed with the flow run; duplicate() never passes it on
-            self._cluster = self._connect_to = None
+            self._cluster = None
+            # prefect-dask leaves it untyped: mypy takes its type from its first assignment.
+            self._connect_to = None  # type: ignore[assignment]

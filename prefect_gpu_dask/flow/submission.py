@@ -20,7 +20,7 @@ import functools
 import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import dask
 import distributed
@@ -47,6 +47,8 @@ from prefect_gpu_dask.worker.oom_retry import oom_retry_condition, placing
 from prefect_gpu_dask.worker.taskwrap import stacked, with_around
 
 if TYPE_CHECKING:
+    from prefect.tasks import Task
+
     from prefect_gpu_dask.worker.taskwrap import Around
 
 logger = logging.getLogger(__name__)
@@ -108,13 +110,13 @@ class TaskSubmitter:
         self._stand_ins: dict[type, tuple[Any, _Serialized]] = {}
         # Bounded: task objects made on the fly must not all stay alive here.
         self._shared: OrderedDict[tuple[str, int], tuple[Any, Shared]] = OrderedDict()
-        self._clones: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
+        self._clones: OrderedDict[tuple[Any, ...], tuple[Task[..., Any], Task[..., Any]]] = OrderedDict()
         self._namespace = uuid4().hex
         self._refs: dict[str, SharedRef] = {}  # token -> its ref, once its blob is on the scheduler
 
     def submit(
         self,
-        task: Any,
+        task: Task[..., Any],
         route: Route,
         parameters: dict[str, Any],
         wait_for: Any,
@@ -127,23 +129,24 @@ class TaskSubmitter:
         marks = {TASK_RUN: True, **({"resources": route.resources} if route.resources else {})}
         with dask.annotate(**marks):
             wait_for = _resolved(wait_for) if wait_for else None
-            future = self._send(task, _resolved(parameters), wait_for, dependencies)
+            future, task_run_id = self._send(task, _resolved(parameters), wait_for, dependencies)
+        key = str(future.key)  # the key _send gave it
         if route.wait_s:
-            self._resource_wait.add(future.key, route.resources, route.wait_s)
-        tracked = RecyclableFuture(wrapped_future=future, task_run_id=future.task_run_id)
+            self._resource_wait.add(key, route.resources, route.wait_s)
+        tracked = RecyclableFuture(wrapped_future=future, task_run_id=task_run_id)
         tracked.read_ahead = self._read_ahead
-        self._read_ahead.track(future.key, tracked)
-        self._recycler.track(future.key, tracked)
+        self._read_ahead.track(key, tracked)
+        self._recycler.track(key, tracked)
         return tracked
 
-    def dressed(self, task: Any, route: Route) -> Any:
+    def dressed(self, task: Task[..., Any], route: Route) -> Task[..., Any]:
         """``task`` with what ``route`` says runs around its function on the worker (a
         fallback's warning or failure, the guard, the deadline watchdog, out-of-memory
         retries and their placement), or as it is."""
         arounds: dict[str, Around] = {}
         if route.claim:  # outermost: the guard measures the task, not its wait for the GPU
             arounds["host-gpu"] = functools.partial(claiming_gpu, self._settings.memory_probe)
-        if route.fallback is not None:
+        if route.fallback is not None and route.message is not None:  # a route with one says why
             arounds[route.message] = falling_back(route.message, route.fallback == "error", route.waited_for)
         if route.guard:
             # The flow run's own thresholds and policy, whatever other flows on the worker asked for.
@@ -165,7 +168,7 @@ class TaskSubmitter:
         return cached[1]
 
     @staticmethod
-    def _clone(task: Any, route: Route, arounds: dict[str, Around]) -> Any:
+    def _clone(task: Task[..., Any], route: Route, arounds: dict[str, Around]) -> Task[..., Any]:
         if not route.oom_retries:
             return with_around(task, stacked(*arounds.values()))
         return with_around(
@@ -230,7 +233,9 @@ class TaskSubmitter:
         except Exception as exc:  # e.g. a worker without this package: its first task run builds them
             logger.debug("Workers not prepared for this flow run: %r", exc)
 
-    def context(self, task: Any, task_run_id: Any, dependencies: dict[str, Any]) -> dict[str, Any]:
+    def context(
+        self, task: Task[..., Any], task_run_id: UUID, dependencies: dict[str, Any]
+    ) -> dict[str, Any]:
         settings = self._stand_in(SettingsContext)
         engine = self._stand_in(EngineContext)
         with contextlib.ExitStack() as stack:
@@ -254,11 +259,12 @@ class TaskSubmitter:
 
     def _send(
         self,
-        task: Any,
+        task: Task[..., Any],
         parameters: dict[str, Any],
         wait_for: Any,
         dependencies: dict[str, Any] | None,
-    ) -> distributed.Future:
+    ) -> tuple[distributed.Future, UUID]:
+        """The Dask future of one run of ``task``, and its task run id."""
         task_run_id = uuid4()
         inputs = {
             name: collect_task_run_inputs_sync(value, future_cls=distributed.Future)
@@ -276,8 +282,7 @@ class TaskSubmitter:
             key=f"{task.name}-{task_run_id.hex}",
             pure=False,
         )
-        future.task_run_id = task_run_id
-        return future
+        return future, task_run_id
 
 
 def _resolved(expr: Any) -> Any:

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def oom_retry_condition(
-    oom_retries: int, retries: int, condition: Callable[..., bool] | None
+    oom_retries: int, retries: int, condition: Callable[..., Any] | None
 ) -> Callable[[Any, Any, Any], bool]:
     """A ``retry_condition_fn`` for a task cloned with ``retries + oom_retries`` retries:
     out-of-memory failures use up to ``oom_retries`` of them, other failures up to
