@@ -43,7 +43,15 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import died_running, worker_died_message
-from prefect_gpu_dask.flow.results import ReadAhead, final_states_lock, is_moved, moved, settle
+from prefect_gpu_dask.flow.results import (
+    PACKAGE_ERRORS,
+    READ_ERRORS,
+    ReadAhead,
+    final_states_lock,
+    is_moved,
+    moved,
+    settle,
+)
 from prefect_gpu_dask.records import (
     HUNG_TOPIC,
     LOST,
@@ -244,8 +252,6 @@ class Recycler:
 
     def stalled(self, hung: HungTask) -> None:
         """Say that a task run is stalled (``on_stall="warn"``): a WARNING and an event."""
-        from prefect_gpu_dask.flow.reporting import emit_stalled_event
-
         self.logger.warning(
             "Task run %r is stalled on worker %s: in one call, with no CPU and no GPU work, for "
             "%g s (stall_s=%g); it goes on running",
@@ -254,9 +260,15 @@ class Recycler:
             hung.running_s,
             hung.timeout_s,
         )
+        self._emit_stalled(hung)
+
+    def _emit_stalled(self, hung: HungTask) -> None:
+        """The Prefect event of a stalled task run."""
+        from prefect_gpu_dask.flow.reporting import emit_stalled_event
+
         try:
             emit_stalled_event(hung)
-        except Exception:
+        except Exception:  # a boundary: a report, which the flow run goes on without
             self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
 
     def crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], why: str) -> None:
@@ -269,6 +281,7 @@ class Recycler:
         self._context.copy().run(self._crash_interrupted, interrupted, why)
 
     def _crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], why: str) -> None:
+        import httpx
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
         from prefect.states import Crashed
@@ -284,7 +297,7 @@ class Recycler:
                     run = api.read_task_run(run_id)
                 except ObjectNotFound:  # its events never reached the API: killed early, or not started
                     run = None
-                except Exception:
+                except (httpx.HTTPError, OSError):  # the API down or refusing: the next run may pass
                     self.logger.exception("Could not read task run %s", run_id)
                     continue
                 state = run.state if run is not None else None
@@ -302,7 +315,7 @@ class Recycler:
                         "Task run %s never reached Prefect's API: its worker died before sending it",
                         run_id,
                     )
-                except Exception:
+                except (httpx.HTTPError, OSError):  # the flow's future ends Crashed all the same
                     self.logger.exception("Could not mark task run %s Crashed in the API", run_id)
                 settle(future, crashed)
                 self.logger.error("Task run %s crashed: %s", run.name if run else run_id, message)
@@ -324,12 +337,7 @@ class Recycler:
                 f"(stall_s={hung.timeout_s:g}, on_stall='fail') on worker {hung.worker}; "
                 "the worker is recycled"
             )
-            try:
-                from prefect_gpu_dask.flow.reporting import emit_stalled_event
-
-                emit_stalled_event(hung)
-            except Exception:
-                self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
+            self._emit_stalled(hung)
         else:
             message = (
                 f"Task run exceeded timeout of {hung.timeout_s:g} second(s) and was still running "
@@ -477,7 +485,7 @@ class Recycler:
         if not record.lost:
             try:  # the scheduler's /metrics counts it (scheduler.metrics)
                 self.client.run_on_scheduler(count_restart, record.reason)
-            except Exception as exc:  # e.g. an older prefect-gpu-dask on the scheduler
+            except PACKAGE_ERRORS as exc:  # e.g. an older prefect-gpu-dask on the scheduler
                 self.logger.debug("Could not count the restart on the scheduler: %r", exc)
         if record.lost:
             self.logger.error(
@@ -723,7 +731,7 @@ class RecyclableFuture(PrefectDaskFuture):
         ended. Where fetching failed, neither: prefect-dask's own path waits and says why."""
         try:
             fetched = self._fetched(timeout)
-        except Exception:
+        except READ_ERRORS:  # the key lost or released, the scheduler gone
             logger.debug("Fetching the state of %s failed", self.task_run_id, exc_info=True)
             return False, False
         return fetched, not fetched and self.read_ahead is not None and not self.wrapped_future.done()

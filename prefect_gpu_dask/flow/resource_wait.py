@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import MissingResourceError
-from prefect_gpu_dask.flow.results import final_states_lock, settle
+from prefect_gpu_dask.flow.results import SCHEDULER_ERRORS, final_states_lock, settle
 from prefect_gpu_dask.flow.routing import WorkerOffers
 from prefect_gpu_dask.resources import Resources, satisfiable
 from prefect_gpu_dask.scheduler.fallback import fail, release, stranded
@@ -168,8 +168,9 @@ class FailedRuns:
         self._recorded.wait(timeout)
 
     def _record(self, futures: list[PrefectDaskFuture[Any]], message: str) -> None:
+        import httpx
         from prefect.client.orchestration import get_client
-        from prefect.exceptions import ObjectNotFound
+        from prefect.exceptions import ObjectNotFound, PrefectException
         from prefect.states import Failed
 
         flow_run_id = self._flow_run_id()
@@ -192,7 +193,9 @@ class FailedRuns:
                             )
                         continue
                     api.set_task_run_state(run_id, Failed(message=message), force=True)
-        except Exception as exc:  # the flow has their states; only the API's record is missing
+        # The API down, refusing, or without the flow run: the flow has their states; only
+        # the API's record is missing.
+        except (httpx.HTTPError, OSError, PrefectException) as exc:
             self._logger.warning(
                 "Could not record %d failed task run(s) in Prefect's API: %r", len(futures), exc
             )
@@ -275,9 +278,12 @@ class ResourceWait:
                     # Those already waiting keep their deadline; one that passed it and
                     # still waits (its state then did not let it fail) waits again.
                     self._watch(dict.fromkeys(unfinished()), wait_s, replace=False)
-            except Exception as exc:  # a closing client, a scheduler gone: the next tick asks again
+            except SCHEDULER_ERRORS as exc:  # a closing client, a scheduler gone: the next tick asks again
                 if not self._closed:
                     self._logger.debug("Could not ask the scheduler for its workers: %r", exc)
+            except Exception as exc:  # a boundary: the watch goes on, whatever one tick met
+                if not self._closed:
+                    self._logger.warning("The watch for a flow run with no worker failed once: %r", exc)
 
     def _has_workers(self) -> bool:
         identity = self._client.sync(self._client.scheduler.identity, n_workers=0)

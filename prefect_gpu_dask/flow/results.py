@@ -24,6 +24,7 @@ every field name; ``compact`` shares them, as states made in this process do.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import sys
@@ -49,6 +50,22 @@ logger = logging.getLogger(__name__)
 # state (Dask's ``sizeof`` on the worker) taken without being asked for.
 READ_AHEAD = 64
 READ_AHEAD_MAX_BYTES = parse_bytes("64 KiB")
+
+
+# What a call to the scheduler (or through it, to a worker) raises where the connection
+# dropped, the cluster is closing or the answer came too late; ``asyncio.TimeoutError``
+# is ``TimeoutError`` from Python 3.11 on.
+SCHEDULER_ERRORS: tuple[type[Exception], ...] = (
+    OSError,  # distributed's CommClosedError too
+    TimeoutError,
+    asyncio.TimeoutError,
+    distributed.CancelledError,
+    RuntimeError,  # a client whose event loop closed
+)
+# ... and where it reads a key: one Dask released or lost meanwhile.
+READ_ERRORS: tuple[type[Exception], ...] = (*SCHEDULER_ERRORS, KeyError)
+# ... and where it runs this package's code there: an older one, or none.
+PACKAGE_ERRORS: tuple[type[Exception], ...] = (*SCHEDULER_ERRORS, ImportError, AttributeError)
 
 
 # Held while a future's final state is set: one a restart moved into the flow
@@ -173,7 +190,7 @@ class ReadAhead:
             logger.warning("Task run states are fetched one by one: the scheduler cannot size them (%r)", exc)
             self.window = 0
             return {}
-        except Exception:  # a connection dropped, say: this time, nothing ahead
+        except READ_ERRORS:  # a connection dropped, say: this time, nothing ahead
             logger.debug("Could not size results ahead of %s", beside, exc_info=True)
             return {}
         return {key: f for key, f in futures.items() if sizes.get(key, self.max_bytes + 1) <= self.max_bytes}

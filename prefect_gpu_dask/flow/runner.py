@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import dask
 import distributed
+from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
 from prefect.client.schemas.objects import RunInput
 from prefect.context import FlowRunContext, TagsContext
 from prefect.futures import PrefectFuture, PrefectFutureList
@@ -36,6 +37,7 @@ from prefect_gpu_dask.flow.heap import release_freed_heap_soon
 from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import FailedRuns, ResourceWait, WorkerStartErrors, remember_task
+from prefect_gpu_dask.flow.results import SCHEDULER_ERRORS
 from prefect_gpu_dask.flow.routing import TagRouter, WorkerOffers
 from prefect_gpu_dask.flow.submission import TaskSubmitter
 from prefect_gpu_dask.records import (
@@ -340,26 +342,26 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         Registered on the scheduler: workers that join later get them too, and each
         decides for itself whether it has a GPU to label or guard.
         """
-        try:
-            client.register_plugin(GPULabels(self.settings), name=GPULabels.name)
-        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the workers
-            self.logger.warning("Could not label GPU workers with their model and memory: %s", exc)
-        try:  # compute_on_gpus: shares sent straight from worker to worker
-            client.register_plugin(ShareServer(), name=ShareServer.name)
-        except Exception as exc:
-            self.logger.warning("Could not let workers serve each other's GPU shares: %s", exc)
-        try:
-            client.register_plugin(WorkerHeap(), name=WorkerHeap.name)
-        except Exception as exc:
-            self.logger.warning("Could not freeze the workers' long-lived heap out of collections: %s", exc)
-        try:
-            client.register_plugin(PromptStream(), name=PromptStream.name)
-        except Exception as exc:
-            self.logger.warning("Could not let workers send to the scheduler promptly: %s", exc)
-        try:
-            client.register_plugin(EarlyStartNotices(), name=EarlyStartNotices.name)
-        except Exception as exc:  # task runs still send their own, from their threads
-            self.logger.warning("Could not let workers send start notices as tasks start: %s", exc)
+        self._register_optional(
+            client, GPULabels(self.settings), GPULabels.name, "label GPU workers with their model and memory"
+        )
+        # compute_on_gpus: shares sent straight from worker to worker
+        self._register_optional(
+            client, ShareServer(), ShareServer.name, "let workers serve each other's GPU shares"
+        )
+        self._register_optional(
+            client, WorkerHeap(), WorkerHeap.name, "freeze the workers' long-lived heap out of collections"
+        )
+        self._register_optional(
+            client, PromptStream(), PromptStream.name, "let workers send to the scheduler promptly"
+        )
+        # Task runs still send their own, from their threads.
+        self._register_optional(
+            client,
+            EarlyStartNotices(),
+            EarlyStartNotices.name,
+            "let workers send start notices as tasks start",
+        )
         offered = offers.refresh()
         if self.settings.guard == "off":
             return
@@ -374,10 +376,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self.logger.info("No GPU workers in this cluster: the GPU memory guard is a no-op")
             return
         self._live = reporting.LivePublisher(self.logger)
-        try:  # counts what the guards report, for the scheduler's /metrics
-            client.register_plugin(GPUMetrics(), name=GPUMetrics.name)
-        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the scheduler
-            self.logger.warning("Could not serve GPU metrics on the scheduler: %s", exc)
+        # Counts what the guards report, for the scheduler's /metrics.
+        self._register_optional(client, GPUMetrics(), GPUMetrics.name, "serve GPU metrics on the scheduler")
         # Heard before the guards start: a GPU found sick at setup is reported at once.
         client.subscribe_topic(RECORD_TOPIC, self._on_record)
         client.subscribe_topic(UNHEALTHY_TOPIC, self._on_unhealthy)
@@ -385,6 +385,21 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._guard_on = True
         for quarantine in self.quarantines:  # found before this flow, on a shared cluster
             recycler.quarantined(quarantine)
+
+    def _register_optional(
+        self,
+        client: distributed.Client,
+        plugin: SchedulerPlugin | WorkerPlugin | NannyPlugin,
+        name: str,
+        serves: str,
+    ) -> None:
+        """Register ``plugin`` as ``name``: a feature (``serves``) the flow run can do without."""
+        try:
+            client.register_plugin(plugin, name=name)
+        # A boundary: the plugin's setup runs on every worker (or the scheduler), where any
+        # error of its own may come back, e.g. prefect-gpu-dask not installed there.
+        except Exception as exc:
+            self.logger.warning("Could not %s: %s", serves, exc)
 
     # -- submission ---------------------------------------------------------------
     # The overloads are prefect-dask's DaskTaskRunner's, which narrow TaskRunner's return
@@ -516,7 +531,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             # missing GPU; those routed before are tracked once the hold is taken.
             try:
                 offers.refresh()
-            except Exception as exc:  # the cluster closing, say: the stale answer expires soon
+            except SCHEDULER_ERRORS as exc:  # the cluster closing, say: the stale answer expires soon
                 self.logger.debug("Could not refresh the workers' offers: %r", exc)
             with recycler.submissions():
                 unfinished = recycler.unfinished_keys()
@@ -530,7 +545,9 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             self._on_ephemeral_api = share_ephemeral_api(self._exit_stack)
             try:
                 clusters.start_worker_processes_soon(self)
-            except Exception as exc:  # the first task starts it, or reports why it cannot
+            # A process or socket refused, the cluster class not importable: the first task
+            # starts it, or reports why it cannot.
+            except (OSError, ImportError, ValueError, RuntimeError) as exc:
                 self.logger.debug("Could not start the worker processes' fork server early: %r", exc)
         return self
 

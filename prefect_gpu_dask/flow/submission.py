@@ -32,7 +32,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
-from prefect_gpu_dask.flow.results import ReadAhead
+from prefect_gpu_dask.flow.results import PACKAGE_ERRORS, SCHEDULER_ERRORS, ReadAhead
 from prefect_gpu_dask.flow.routing import Route
 from prefect_gpu_dask.payload import SHARED_METADATA, Shared, SharedRef, seal
 from prefect_gpu_dask.records import TASK_RUN
@@ -212,11 +212,11 @@ class TaskSubmitter:
         self._refs.clear()
         try:
             self._client.run_on_scheduler(forget_namespace, self._namespace)
-        except Exception as exc:  # a scheduler without this package, a lost connection
+        except PACKAGE_ERRORS as exc:  # a scheduler without this package, a lost connection
             logger.debug("Could not take this flow run's blobs off the scheduler: %r", exc)
             try:
                 self._client.set_metadata([SHARED_METADATA, self._namespace], None)
-            except Exception as again:
+            except SCHEDULER_ERRORS as again:
                 logger.warning("This flow run's task objects stay on the scheduler: %r", again)
 
     def _shared_settings(self) -> Shared:
@@ -230,7 +230,7 @@ class TaskSubmitter:
         flow goes on: each worker's first task run would wait for them."""
         try:
             self._client.run(prepare_for_flow_run, self._shared_settings(), wait=False)
-        except Exception as exc:  # e.g. a worker without this package: its first task run builds them
+        except PACKAGE_ERRORS as exc:  # e.g. a worker without this package: its first task run builds them
             logger.debug("Workers not prepared for this flow run: %r", exc)
 
     def context(
