@@ -12,14 +12,10 @@ futures submitted right after it that have finished, in the same gather, where t
 states are small: a task returning a large array leaves it where it is until the flow
 asks for it. A future whose state came this way answers ``result()`` without Dask.
 
-Once a small state is in the flow its Dask key is released (``moved``): the scheduler
-forgets the task (its arguments, its bookkeeping) and the worker its copy of the
-state, which a big flow's process would otherwise hold per task run, twice where the
-scheduler lives in it (a local cluster). A task submitted later that depends on it is
-given the state itself (``recycling.resolved``), as it is after a recycled worker's
-results moved into the flow. A large state keeps its key: a task that depends on it
-gets the value from the worker. States arrive unpickled, each with its own copy of
-every field name; ``compact`` shares them, as states made in this process do.
+A state read ahead keeps its Dask key: a task that depends on it gets the value from
+the worker (a restart's moved results are the exception, ``moved``). States arrive
+unpickled, each with its own copy of every field name; ``compact`` shares them, as
+states made in this process do.
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ from pydantic import BaseModel
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.scheduler.recycling import result_sizes
-from prefect_gpu_dask.worker.recycling import result_nbytes
 
 if TYPE_CHECKING:
     from prefect_dask.task_runners import PrefectDaskFuture
@@ -161,10 +156,6 @@ class ReadAhead:
                     done.append(key)
         for key in done:
             self._forget(key)
-            nbytes = result_nbytes(states[key])
-            if nbytes is not None and nbytes <= self.max_bytes:  # Dask may forget the task now
-                moved.add(wanted[key])
-                wanted[key].wrapped_future.release()
         return _compat.future_final_state(future) is not None
 
     def _finished_after(self, key: str) -> dict[str, PrefectDaskFuture[Any]]:

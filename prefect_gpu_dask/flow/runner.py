@@ -525,6 +525,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _on_restart(self, restart: RestartRecord) -> None:
         # The recycler's thread calls this while the flow run holds them all.
         offers, recycler, resource_wait = self._offers, self._recycler, self._resource_wait
+        if restart.policy == "cluster" and self._submitter is not None:
+            self._submitter.republish()  # the restart cleared the scheduler's metadata
         if restart.lost and offers is not None and recycler is not None and resource_wait is not None:
             # What waited for that worker may have nowhere left to run. Submissions asking
             # for resources, routed from here on, see the worker gone and wait as for a

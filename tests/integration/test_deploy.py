@@ -26,7 +26,7 @@ EXPECTED = {
     "cudf-etl": (
         "flows/cudf_etl.py:cudf_etl",
         "0 3 * * *",
-        {"out_dir": None, "partitions": None, "rows_per_partition": None, "seed": 0},
+        {"out_dir": None, "backend": None, "partitions": None, "rows_per_partition": None, "seed": 0},
     ),
     "leak-demo": ("flows/leak_demo.py:leak_demo", "30 3 * * *", {"mib": 512, "timeout_s": 60}),
 }

@@ -20,8 +20,11 @@ from prefect_gpu_dask.worker.probe import AllocatorBytes, loaded_allocator_bytes
 
 SLOW_LIBRARY = textwrap.dedent(
     """
-    import time
-    time.sleep(1.0)  # a big library's import, like CuPy's
+    import os, time
+    # A big library's import, like CuPy's: it ends when the test lets it (a fixed sleep
+    # could end before a loaded machine reads it).
+    while not os.path.exists(os.path.join(os.path.dirname(__file__), "import-may-end")):
+        time.sleep(0.01)
 
     def get_default_memory_pool():
         raise AssertionError("read before its import ended")
@@ -45,6 +48,7 @@ def half_imported(name: str, tmp_path, monkeypatch) -> Iterator[threading.Thread
     try:
         yield importer
     finally:
+        (tmp_path / "import-may-end").touch()
         importer.join()
         sys.modules.pop(name, None)  # the stand-in must not outlive the test
 
@@ -53,6 +57,7 @@ def test_a_module_is_none_until_its_import_ends(tmp_path, monkeypatch):
     with half_imported("slow_library", tmp_path, monkeypatch) as importer:
         assert "slow_library" in sys.modules  # half-made, yet there
         assert _compat.imported_module("slow_library") is None
+        (tmp_path / "import-may-end").touch()
         importer.join()
         assert _compat.imported_module("slow_library") is sys.modules["slow_library"]
 
