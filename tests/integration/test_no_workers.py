@@ -52,6 +52,16 @@ def mid_flow() -> None:
     MID_FLOW.pop("action")()
 
 
+
+def submit_both_and_wait() -> tuple[list, float, float]:
+    """In a flow: a `gpu` and a plain task run, each waited for; their states and task-run
+    ids, and when the wait began and ended."""
+    started = time.monotonic()
+    futures = [whole_gpu.submit(), plain.submit()]
+    for future in futures:
+        future.wait(timeout=WAIT_S + 60)
+    return [(f.state, f.task_run_id) for f in futures], started, time.monotonic()
+
 def assert_failed_for_no_worker(states: list, address: str, started: float, ended: float) -> None:
     """Each state is ``Failed`` for want of a worker, naming the cluster, within the bound;
     the API records each run ``Failed`` too."""
@@ -69,12 +79,7 @@ def test_tasks_on_a_scheduler_without_workers_fail_within_the_wait(dask_processe
 
     @flow(task_runner=GPUDaskTaskRunner(address=address, gpu_wait_s=WAIT_S))
     def nobody_there():
-        started = time.monotonic()
-        futures = [whole_gpu.submit(), plain.submit()]
-        for future in futures:
-            future.wait(timeout=WAIT_S + 60)
-        ended = time.monotonic()
-        return [(f.state, f.task_run_id) for f in futures], started, ended
+        return submit_both_and_wait()
 
     states, started, ended = nobody_there()
     assert_failed_for_no_worker(states, address, started, ended)
@@ -125,12 +130,7 @@ def test_tasks_after_every_worker_died_fail_within_the_wait(dask_processes: Dask
     def all_died():
         os.kill(worker_pid.submit().result(timeout=60), signal.SIGKILL)
         time.sleep(2)  # the scheduler hears of the death
-        started = time.monotonic()
-        futures = [whole_gpu.submit(), plain.submit()]
-        for future in futures:
-            future.wait(timeout=WAIT_S + 60)
-        ended = time.monotonic()
-        return [(f.state, f.task_run_id) for f in futures], started, ended
+        return submit_both_and_wait()
 
     states, started, ended = all_died()
     assert_failed_for_no_worker(states, address, started, ended)
