@@ -289,6 +289,9 @@ class TaskSubmitter:
             key=f"{task.name}-{task_run_id.hex}",
             pure=False,
         )
+        # As prefect-dask's client does: a task given this future as a parameter finds
+        # its upstream task run (its task inputs, its upstream assets) through it.
+        future.task_run_id = task_run_id
         return future, task_run_id
 
 

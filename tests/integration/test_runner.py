@@ -67,6 +67,40 @@ def test_gpu_tasks_run_only_on_the_gpu_worker(remote_cluster):
     assert set(free) <= {"gpu-worker", "cpu-worker"}
 
 
+def test_a_task_given_a_future_records_its_upstream_task_run_and_assets(remote_cluster):
+    """The task-run graph and asset lineage the Prefect UI draws: a task given another's
+    future lists that task run among its inputs, and its materialization references the
+    upstream asset (prefect-dask's own suite checks the event)."""
+    from prefect.assets import Asset, materialize
+    from prefect.client.schemas.objects import TaskRunResult
+
+    from tests.ui_helpers import read_events
+
+    raw = Asset(key=f"s3://gpu-dask-test/raw-{uuid.uuid4().hex[:8]}")
+    done = Asset(key=f"s3://gpu-dask-test/done-{uuid.uuid4().hex[:8]}")
+
+    @materialize(raw, tags=["gpu"])
+    def extract() -> int:
+        return 50
+
+    @materialize(done)
+    def load(rows: int) -> int:
+        return rows * 2
+
+    @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
+    def lineage():
+        upstream = extract.submit()
+        downstream = load.submit(upstream)
+        return downstream.result(), upstream.task_run_id, downstream.task_run_id
+
+    rows, upstream_id, downstream_id = lineage()
+    assert rows == 100
+    run = recorded_task_run(downstream_id)
+    assert run.task_inputs["rows"] == [TaskRunResult(id=upstream_id)]
+    referenced = read_events(["prefect.asset.referenced"], resource=raw.key)
+    assert [e.resource.id for e in referenced] == [raw.key]
+
+
 def test_the_scheduler_never_imports_prefect(remote_cluster):
     @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
     def chained():
