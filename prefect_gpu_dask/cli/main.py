@@ -172,6 +172,9 @@ def report(flow_run_id: str, as_json: bool) -> None:
       prefect-gpu-dask report 4b7c1e2a-...-flow-run-id
       prefect-gpu-dask report 4b7c1e2a-...-flow-run-id --json | jq '.records[] | select(.verdict == "leak")'
     """
+    import httpx
+    from prefect.exceptions import PrefectException
+
     from prefect_gpu_dask.cli.report import render, to_dict
     from prefect_gpu_dask.flow.flow_run_report import read_flow_run_gpu_report
 
@@ -179,7 +182,7 @@ def report(flow_run_id: str, as_json: bool) -> None:
         found = read_flow_run_gpu_report(flow_run_id)
     except ValueError:
         raise click.BadParameter(f"{flow_run_id!r} is not a flow run id (a UUID)") from None
-    except Exception as exc:  # the API unreachable or refusing
+    except (httpx.HTTPError, PrefectException, OSError) as exc:  # the API unreachable or refusing
         raise click.ClickException(
             f"Could not read flow run {flow_run_id} from the Prefect API: {exc}"
         ) from None

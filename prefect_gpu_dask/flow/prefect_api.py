@@ -24,7 +24,14 @@ from collections import OrderedDict
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
+from prefect.exceptions import PrefectException
+
 from prefect_gpu_dask import _compat
+
+# What a call to the Prefect API raises where the server is unreachable, refuses the
+# request or does not know the object (``ObjectNotFound``).
+API_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, PrefectException, OSError)
 
 RECORD_WAIT_S = 120.0
 RECORD_STALL_S = 10.0  # the count stopped rising: what is left will not come

@@ -43,6 +43,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import died_running, worker_died_message
+from prefect_gpu_dask.flow.prefect_api import API_ERRORS
 from prefect_gpu_dask.flow.results import (
     PACKAGE_ERRORS,
     READ_ERRORS,
@@ -99,6 +100,8 @@ STUCK_RESTART_S = 8.0
 # cluster closed starts again after distributed.deploy.lost-worker-timeout.
 REPLACEMENT_WAIT_S = 60.0
 RESULTS_OFF_EVERY_S = 1.0  # how often other flow runs are asked again to take their results off
+# Taking results off: the scheduler or a worker gone, a key released meanwhile.
+TAKE_OFF_ERRORS: tuple[type[Exception], ...] = (*PACKAGE_ERRORS, KeyError)
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ class Recycler:
         """Install the lost-worker plugin on the scheduler, and hear of hung tasks."""
         try:
             self.client.register_plugin(InterruptedTasks(), name=InterruptedTasks.name)
-        except Exception as exc:  # e.g. prefect-gpu-dask not installed on the scheduler
+        except PACKAGE_ERRORS as exc:  # e.g. prefect-gpu-dask not installed on the scheduler
             self.logger.warning(
                 "Could not install %s on the scheduler (%s): a task whose worker dies may run a second time",
                 InterruptedTasks.name,
@@ -264,11 +267,11 @@ class Recycler:
 
     def _emit_stalled(self, hung: HungTask) -> None:
         """The Prefect event of a stalled task run."""
-        from prefect_gpu_dask.flow.reporting import emit_stalled_event
+        from prefect_gpu_dask.flow.reporting import EVENT_ERRORS, emit_stalled_event
 
         try:
             emit_stalled_event(hung)
-        except Exception:  # a boundary: a report, which the flow run goes on without
+        except EVENT_ERRORS:  # a report, which the flow run goes on without
             self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
 
     def crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], why: str) -> None:
@@ -349,7 +352,7 @@ class Recycler:
         try:
             with get_client(sync_client=True) as api:
                 state = api.set_task_run_state(uuid.UUID(hung.task_run_id), state, force=True).state or state
-        except Exception:
+        except API_ERRORS:
             self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
         self._timed_out[hung.key] = state
         why = (
@@ -394,7 +397,7 @@ class Recycler:
             states = self._gather_states(mine)
             with self._lock:
                 moved = self._move_gathered(states)
-        except Exception:
+        except TAKE_OFF_ERRORS:
             if self.client.status == "running" and not self._closing.is_set():
                 self.logger.exception("Could not take this flow run's results off %s", ", ".join(ask.workers))
             return 0

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import MissingResourceError
-from prefect_gpu_dask.flow.results import SCHEDULER_ERRORS, final_states_lock, settle
+from prefect_gpu_dask.flow.prefect_api import API_ERRORS
+from prefect_gpu_dask.flow.results import PACKAGE_ERRORS, SCHEDULER_ERRORS, final_states_lock, settle
 from prefect_gpu_dask.flow.routing import WorkerOffers
 from prefect_gpu_dask.resources import Resources, satisfiable
 from prefect_gpu_dask.scheduler.fallback import fail, release, stranded
@@ -49,6 +50,10 @@ WATCH_TICK_S = 1.0
 # ... and at least this long, a tenth of the wait between.
 WATCH_MIN_TICK_S = 0.1
 # How long a flow run's end waits for failed task runs' records to reach Prefect's API.
+SETTLE_ERRORS: tuple[type[Exception], ...] = (
+    *SCHEDULER_ERRORS,
+    *API_ERRORS,
+)  # settling a dead worker's task runs
 RECORD_WAIT_S = 10.0
 # Where the flow keeps the Prefect task of a run it submitted: a run no worker ever
 # started has no record in Prefect's API, and its ``Failed`` one is made from the task.
@@ -281,9 +286,6 @@ class ResourceWait:
             except SCHEDULER_ERRORS as exc:  # a closing client, a scheduler gone: the next tick asks again
                 if not self._closed:
                     self._logger.debug("Could not ask the scheduler for its workers: %r", exc)
-            except Exception as exc:  # a boundary: the watch goes on, whatever one tick met
-                if not self._closed:
-                    self._logger.warning("The watch for a flow run with no worker failed once: %r", exc)
 
     def _has_workers(self) -> bool:
         identity = self._client.sync(self._client.scheduler.identity, n_workers=0)
@@ -319,7 +321,7 @@ class ResourceWait:
             if not self._closed:
                 try:
                     self._expire()
-                except Exception as exc:
+                except PACKAGE_ERRORS as exc:
                     if not self._closed:  # else the flow is ending and the client closing
                         self._logger.warning(
                             "Could not release task runs past their wait for a GPU worker "
@@ -392,7 +394,7 @@ class ResourceWait:
             # Before the scheduler fails them: a flow waiting on one must find its final state.
             try:
                 self._on_interrupted(interrupted, message)
-            except Exception:  # they fail as missing workers all the same: nothing waits for ever
+            except SETTLE_ERRORS:  # they fail as missing workers all the same
                 self._logger.exception("Could not settle the task runs a dead worker was running")
         # Their futures end Failed before Dask fails their keys: a flow woken by the error
         # finds the state as well.

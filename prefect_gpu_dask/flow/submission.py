@@ -291,7 +291,7 @@ class TaskSubmitter:
         )
         # As prefect-dask's client does: a task given this future as a parameter finds
         # its upstream task run (its task inputs, its upstream assets) through it.
-        future.task_run_id = task_run_id
+        future.task_run_id = task_run_id  # type: ignore[attr-defined]  # prefect-dask's attribute
         return future, task_run_id
 
 

@@ -125,7 +125,8 @@ class HealthWatch:
         assert verdict is not None
         try:
             answer = await run_on_scheduler_from_worker(self.worker, withdraw, worker=self.worker.address)
-        except Exception as exc:  # e.g. prefect-gpu-dask missing on the scheduler: keep the GPU, refuse
+        # The scheduler gone, or without this package there: keep the GPU, refuse its tasks.
+        except (OSError, TimeoutError, ImportError, AttributeError) as exc:
             logger.warning("Could not withdraw the GPU of %s on the scheduler: %r", self.worker.address, exc)
             answer = {"withdrawn": False, "others": 0}
         kept = self.quarantine
