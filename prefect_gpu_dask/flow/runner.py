@@ -49,6 +49,7 @@ from prefect_gpu_dask.records import (
 )
 from prefect_gpu_dask.resources import uses_gpu
 from prefect_gpu_dask.scheduler.metrics import GPUMetrics
+from prefect_gpu_dask.scheduler.shared import SharedBlobs
 from prefect_gpu_dask.settings import (
     GuardScope,
     OnMissingGPU,
@@ -345,6 +346,10 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         self._register_optional(
             client, GPULabels(self.settings), GPULabels.name, "label GPU workers with their model and memory"
         )
+        # Before any task run leaves its blobs there (``payload.SharedRef``).
+        self._register_optional(
+            client, SharedBlobs(), SharedBlobs.name, "keep the flow runs' task objects through a restart"
+        )
         # compute_on_gpus: shares sent straight from worker to worker
         self._register_optional(
             client, ShareServer(), ShareServer.name, "let workers serve each other's GPU shares"
@@ -525,8 +530,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
     def _on_restart(self, restart: RestartRecord) -> None:
         # The recycler's thread calls this while the flow run holds them all.
         offers, recycler, resource_wait = self._offers, self._recycler, self._resource_wait
-        if restart.policy == "cluster" and self._submitter is not None:
-            self._submitter.republish()  # the restart cleared the scheduler's metadata
         if restart.lost and offers is not None and recycler is not None and resource_wait is not None:
             # What waited for that worker may have nowhere left to run. Submissions asking
             # for resources, routed from here on, see the worker gone and wait as for a

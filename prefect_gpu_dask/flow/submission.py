@@ -205,13 +205,6 @@ class TaskSubmitter:
             ref = self._refs[shared.token] = SharedRef(shared.token, keys)
         return ref
 
-    def republish(self) -> None:
-        """Leave this flow run's blobs on the scheduler again: a whole-cluster restart
-        (``Scheduler.restart``) clears the scheduler's metadata."""
-        for _, shared in list(self._shared.values()):
-            if (ref := self._refs.get(shared.token)) is not None:
-                self._client.set_metadata(list(ref.keys), shared.blob)
-
     def close(self) -> None:
         """Take this flow run's blobs off the scheduler: its task runs have ended."""
         if not self._refs:

@@ -101,6 +101,27 @@ def test_a_task_given_a_future_records_its_upstream_task_run_and_assets(remote_c
     assert [e.resource.id for e in referenced] == [raw.key]
 
 
+def test_task_runs_submitted_after_another_client_restarts_the_cluster_still_run():
+    """A flow run's task objects wait on the scheduler (``payload.SharedRef``); a
+    ``Client.restart`` by anyone clears the scheduler's metadata, and the flow run's
+    next task runs of the same tasks must still find them."""
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=2, host="127.0.0.1", dashboard_address=":0"
+    ) as cluster:
+        address = cluster.scheduler_address  # the flow pickles with what it refers to
+
+        @flow(task_runner=GPUDaskTaskRunner(address=address))
+        def across_a_restart():
+            before = [anywhere.submit(i).result() for i in range(2)]
+            with Client(address, set_as_default=False) as other:
+                other.restart(timeout=120)
+            after = [anywhere.submit(i).result() for i in range(2)]
+            return before, after
+
+        before, after = across_a_restart()
+        assert len(before) == len(after) == 2
+
+
 def test_the_scheduler_never_imports_prefect(remote_cluster):
     @flow(task_runner=GPUDaskTaskRunner(address=remote_cluster.address))
     def chained():

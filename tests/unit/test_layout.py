@@ -43,6 +43,7 @@ ENTRY = {"__main__": {"cli"}}
 SHIPPED: dict[str, dict[str, set[str]]] = {
     "flow.runner": {
         "scheduler.metrics": {"GPUMetrics"},  # the metrics plugin, registered on the scheduler
+        "scheduler.shared": {"SharedBlobs"},  # the shared blobs' keeper, likewise
         "worker.guard": {"GPUMemoryGuard"},  # the guard plugin, registered for every worker
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
         "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
