@@ -5,10 +5,9 @@ deadlock if the chunks needed that slot or that thread. Here the chunks carry no
 resource annotation, and the waiting thread leaves the worker's pool
 (``distributed.worker_client`` secedes, and rejoins after): the distributed scheduler
 places the chunks on the GPU workers taking work as the call starts, this one included
-(a cluster where all of them leave meanwhile fails the chunks after its
-``no-workers-timeout``). Where this is the
-only GPU worker, the graph runs in-process on Dask's threads scheduler instead: no
-round trip through the scheduler per chunk.
+(where all of them leave meanwhile, the chunks fail after the scheduler's
+``no-workers-timeout``). Where this is the only GPU worker, the graph runs in-process
+on Dask's threads scheduler instead: no round trip through the scheduler per chunk.
 """
 
 from __future__ import annotations
