@@ -420,14 +420,6 @@ def spec_cluster_of(dask_scheduler: Any) -> Any:
     return None
 
 
-def bytes_sent(comm: Any) -> int | None:
-    """Bytes a ``BatchedSend`` has written, or None where it keeps no count.
-
-    Public replacement: a send-completion signal on ``Client.submit`` (none exists).
-    """
-    return getattr(comm, "byte_count", None)
-
-
 @fail_safe("running a task whose resources no worker offers elsewhere", lambda *a, **k: [])
 def drop_resource_restrictions(dask_scheduler: Any, keys: list[str], stimulus_id: str) -> list[str]:
     """Let tasks not started yet run without their resource restrictions.
@@ -549,11 +541,6 @@ def send_promptly(stream: Any, interval_s: float = PROMPT_S) -> bool:
     return True
 
 
-def send_pending(comm: Any) -> bool:
-    """Whether a ``BatchedSend`` still holds unsent messages."""
-    return bool(getattr(comm, "buffer", None))
-
-
 def _first_visible_handle() -> Any:
     """The same handle through pynvml's public calls (no MIG parent lookup)."""
     import os
@@ -579,16 +566,7 @@ def nvml_worker_handle() -> Any:
     return nvml._pynvml_handles()
 
 
-@fail_safe("shares sent straight from worker to worker", _none)
-def add_worker_handler(worker: Any, op: str, handler: Callable[..., Any]) -> None:
-    """Serve ``op`` on ``worker``'s own RPC, beside its built-in handlers.
-
-    Public replacement: a ``WorkerPlugin`` hook for RPC handlers (none exists).
-    """
-    worker.handlers[op] = handler
-
-
-@fail_safe("get_worker() in a share's thread", lambda worker, function, *args: function(*args))
+@fail_safe("get_worker() in a worker's set-up thread", lambda worker, function, *args: function(*args))
 def as_on_worker(worker: Any, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` in this thread as a task's code runs on ``worker``: with
     ``get_worker()`` (and so ``get_client()``, ``Event``, ``Lock``) answering for it.
@@ -600,76 +578,6 @@ def as_on_worker(worker: Any, function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
     finally:
         _worker_cvar.reset(token)
-
-
-@fail_safe("shares sent straight from worker to worker", _none)
-def remove_worker_handler(worker: Any, op: str) -> None:
-    """Stop serving ``op`` (``add_worker_handler``). Public replacement: as there."""
-    worker.handlers.pop(op, None)
-
-
-async def ask_worker(worker: Any, address: str, msg: dict[str, Any], written: threading.Event) -> Any:
-    """Send ``msg`` to the worker at ``address`` straight from ``worker`` (no scheduler in
-    between) and return its answer; ``written`` is set once the message has left.
-
-    Public replacement: an ``rpc`` call that reports when its request was sent (none).
-    """
-    comm = await worker.rpc.connect(address)
-    try:
-        await comm.write({**msg, "reply": True})
-        written.set()
-        return await comm.read()
-    except BaseException:
-        comm.abort()
-        raise
-    finally:  # a closed comm handed back frees its slot in the pool
-        worker.rpc.reuse(address, comm)
-
-
-def error_reply(exc: BaseException, status: str) -> dict[str, Any]:
-    """An exception as a message, with its traceback, as distributed's handlers send it
-    (falling back to its text where it does not pickle). Public replacement: none
-    (``distributed.core.error_message``)."""
-    from distributed.core import error_message
-
-    return dict(error_message(exc, status=status))
-
-
-def raise_error_reply(reply: dict[str, Any]) -> None:
-    """Raise the exception ``error_reply`` sent, with its remote traceback. Public
-    replacement: none (``distributed.core.clean_exception``)."""
-    from distributed.core import clean_exception
-
-    _, exc, traceback = clean_exception(**reply)
-    assert exc is not None  # an error reply carries its exception
-    raise exc.with_traceback(traceback)
-
-
-# -- dask ------------------------------------------------------------------------
-
-
-@fail_safe("splitting a gpu task's graph over every GPU", _none)
-def finalized_graph(collections: list[Any]) -> tuple[dict[Any, Any], list[Any]]:
-    """The optimised low-level graph and output keys ``dask.compute`` would run.
-
-    Public replacement: ``dask.base.collections_to_dsk`` returned these before dask's
-    expression rewrite; today the expression classes are private.
-    """
-    from dask._expr import FinalizeCompute
-    from dask._task_spec import DataNode  # noqa: F401  # data_node's, checked with the graph's
-    from dask.base import collections_to_expr
-    from dask.core import flatten
-
-    expr = FinalizeCompute(collections_to_expr(collections, True)).optimize()
-    return dict(expr.__dask_graph__()), list(flatten(expr.__dask_keys__()))
-
-
-def data_node(key: Any, value: Any) -> Any:
-    """A graph node holding a computed value. Public replacement: none yet
-    (``dask._task_spec`` is the task-spec module of dask's new graph format)."""
-    from dask._task_spec import DataNode
-
-    return DataNode(key, value)
 
 
 # -- nvidia-ml-py ----------------------------------------------------------------

@@ -34,8 +34,8 @@ WORKER_PRELOAD = (
     "dask",
     "numpy",
     "pandas",
-    # Where the flow uses it: a worker importing it in a task's thread while a share of
-    # ``compute_on_gpus`` or a task arriving beside it unpickles one of its submodules
+    # Where the flow uses it: a worker importing it in a task's thread while a task
+    # arriving beside it (a ``compute_on_gpus`` chunk) unpickles one of its submodules
     # deadlocks on CPython's import locks, which fails one of the two.
     "dask.array",
     "prefect",

@@ -60,7 +60,6 @@ from prefect_gpu_dask.settings import (
     check_connection,
     parse_threshold,
 )
-from prefect_gpu_dask.worker.compute import ShareServer
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
 from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
@@ -337,7 +336,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return super().client
 
     def _register_plugins(self, client: distributed.Client, offers: WorkerOffers, recycler: Recycler) -> None:
-        """The labels, the share server, the heap freezer, the prompt stream and the early
+        """The labels, the heap freezer, the prompt stream and the early
         start notices on every worker, and the guard where the cluster has (or may get) a GPU.
 
         Registered on the scheduler: workers that join later get them too, and each
@@ -349,10 +348,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         # Before any task run leaves its blobs there (``payload.SharedRef``).
         self._register_optional(
             client, SharedBlobs(), SharedBlobs.name, "keep the flow runs' task objects through a restart"
-        )
-        # compute_on_gpus: shares sent straight from worker to worker
-        self._register_optional(
-            client, ShareServer(), ShareServer.name, "let workers serve each other's GPU shares"
         )
         self._register_optional(
             client, WorkerHeap(), WorkerHeap.name, "freeze the workers' long-lived heap out of collections"

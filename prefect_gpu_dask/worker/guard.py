@@ -44,7 +44,7 @@ from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
 from prefect_gpu_dask.worker import cuda_context, task_threads
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
-from prefect_gpu_dask.worker.compute import GRAPH_THREAD_PREFIX, SHARE_THREAD_PREFIX
+from prefect_gpu_dask.worker.compute import GRAPH_THREAD_PREFIX
 from prefect_gpu_dask.worker.metrics import serve_gauges
 from prefect_gpu_dask.worker.probe import (
     AfterSampler,
@@ -459,8 +459,8 @@ class GPUMemoryGuard(WorkerPlugin):
 
 
 # Names of the pools a task's chunks run on: the threads scheduler's (dask's default
-# names), ``compute_on_gpus``'s graph pool and its share server's.
-POOL_THREAD_PREFIXES = ("ThreadPoolExecutor-", GRAPH_THREAD_PREFIX, SHARE_THREAD_PREFIX)
+# names) and ``compute_on_gpus``'s graph pool.
+POOL_THREAD_PREFIXES = ("ThreadPoolExecutor-", GRAPH_THREAD_PREFIX)
 
 
 def _pool_threads() -> frozenset[threading.Thread]:

@@ -41,7 +41,6 @@ from prefect_gpu_dask.records import (
     TASK_RUN,
     TaskRecord,
 )
-from prefect_gpu_dask.worker.compute import shares_in_flight
 from prefect_gpu_dask.worker.taskwrap import refused, with_around
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ def drain(dask_worker: Any, expiry_s: float = DRAIN_EXPIRY_S) -> dict[str, Any]:
         dask_worker.loop.call_later(expiry_s, _expire_drain, dask_worker, token)
     state = dask_worker.state
     return {
-        "running": len(state.executing) + len(state.long_running) + shares_in_flight(dask_worker),
+        "running": len(state.executing) + len(state.long_running),
         "not_started": [ts.key for ts in state.tasks.values() if ts.state in NOT_STARTED],
     }
 
