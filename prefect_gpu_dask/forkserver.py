@@ -106,7 +106,8 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(server_preload(preload, cuda))
                 multiprocessing.forkserver.ensure_running()
-            except Exception as exc:  # said once, by the cluster's start
+            # No forkserver on this platform (ValueError), a fork or its pipe failing.
+            except (OSError, ValueError, RuntimeError) as exc:  # said once, by the cluster's start
                 logger.log(
                     logging.DEBUG if early else logging.WARNING,
                     "Could not start a fork server (%r): spawning workers",

@@ -225,6 +225,7 @@ class HostGPUClaim:
             lingering, self._fd = self._fd, None
         fd = None
         handover = None
+        entered = False
         try:
             if lingering is not None:
                 self._give_up(lingering)  # another cluster asked: enter again, as a newcomer would
@@ -233,14 +234,15 @@ class HostGPUClaim:
                 time.sleep(POLL_S)
             if self._handed_over and self._handover is not None:
                 handover = self._handover.wait()  # the turn is ours: nobody else starts meanwhile
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            with self._changed:
-                self._entering = False
-                self._changed.notify_all()
-            self._stop_waiting()
-            raise
+            entered = True
+        finally:
+            if not entered:  # whatever stopped us (an interrupt too): the next thread tries
+                if fd is not None:
+                    os.close(fd)
+                with self._changed:
+                    self._entering = False
+                    self._changed.notify_all()
+                self._stop_waiting()
         with self._changed:
             self._fd, self._holders, self._entering = fd, 1, False
             self._changed.notify_all()
