@@ -122,17 +122,6 @@ def future_final_state(future: Any) -> Any:
     return getattr(future, "_final_state", None)
 
 
-@fail_safe("sizing a task run's result on its worker", lambda state: getattr(state, "data", None))
-def state_payload(state: Any) -> Any:
-    """What a Prefect state holds in memory: its result record's value, else its data.
-
-    Used to size a task run's result on the worker without reading result storage.
-    Public replacement: none (``State.result()`` may read persisted results).
-    """
-    data = state.data
-    return data.result if type(data).__name__ == "ResultRecord" else data
-
-
 _TAG_SLOTS_NEEDED: contextvars.ContextVar[Callable[[list[str]], bool] | None] = contextvars.ContextVar(
     "prefect_gpu_dask_tag_slots_needed", default=None
 )

@@ -45,8 +45,6 @@ from prefect_gpu_dask import _compat
 from prefect_gpu_dask.errors import died_running, worker_died_message
 from prefect_gpu_dask.flow.results import (
     PACKAGE_ERRORS,
-    READ_ERRORS,
-    ReadAhead,
     final_states_lock,
     is_moved,
     moved,
@@ -715,30 +713,10 @@ def unsubscribe(client: distributed.Client, *topics: str) -> None:
 class RecyclableFuture(PrefectDaskFuture):
     """The runner's ``PrefectDaskFuture``: its result may move into the flow while a
     thread waits on it. The move lets Dask forget the key, which cancels that wait;
-    the waiter gets the moved state instead of ``CancelledError``. Its state is
-    fetched by ``read_ahead`` where the runner gave it one (``flow.results``)."""
-
-    read_ahead: ReadAhead | None = None
-
-    def _fetched(self, timeout: float | None) -> bool:
-        """Whether the final state is here, fetching it (and others) where it can."""
-        if _compat.future_final_state(self) is not None:
-            return True
-        return self.read_ahead is not None and self.read_ahead.fetch(self, timeout)
-
-    def _fetched_or_timed_out(self, timeout: float | None) -> tuple[bool, bool]:
-        """Whether the final state is here, and whether ``timeout`` passed before the run
-        ended. Where fetching failed, neither: prefect-dask's own path waits and says why."""
-        try:
-            fetched = self._fetched(timeout)
-        except READ_ERRORS:  # the key lost or released, the scheduler gone
-            logger.debug("Fetching the state of %s failed", self.task_run_id, exc_info=True)
-            return False, False
-        return fetched, not fetched and self.read_ahead is not None and not self.wrapped_future.done()
+    the waiter gets the moved state instead of ``CancelledError``."""
 
     def wait(self, timeout: float | None = None) -> None:
-        fetched, timed_out = self._fetched_or_timed_out(timeout)
-        if fetched or timed_out:
+        if _compat.future_final_state(self) is not None:
             return
         try:
             super().wait(timeout)
@@ -747,10 +725,6 @@ class RecyclableFuture(PrefectDaskFuture):
                 raise
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        _, timed_out = self._fetched_or_timed_out(timeout)
-        if timed_out:
-            # As prefect-dask says it, once: ``timeout`` has passed already.
-            raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} seconds")
         try:
             return super().result(timeout, raise_on_failure)
         except CancelledError:

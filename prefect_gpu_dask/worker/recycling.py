@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -24,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
 from distributed.core import Status
-
-from prefect_gpu_dask import _compat
 
 if TYPE_CHECKING:
     from prefect import Task
@@ -317,65 +314,13 @@ def announce_end(state: Any) -> None:
     result leaves: tell the scheduler how the run ended, on the worker's stream, ahead of
     the task's own completion (``InterruptedTasks`` keeps it while the result is held).
     A worker that dies holding the result has then told how the run ended, which Prefect's
-    API hears from events the dying process may not have sent. It tells the result's size
-    too, which the flow reads before fetching a state it has not asked for yet."""
+    API hears from events the dying process may not have sent."""
     key, _ = _marks()
     worker = current_worker()
     if not isinstance(key, str) or worker is None or getattr(state, "type", None) is None:
         return
     ended = {"key": key, "worker": worker.address, "type": state.type.value, "name": state.name}
-    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message, "nbytes": result_nbytes(state)})
-
-
-def result_nbytes(state: Any) -> int | None:
-    """Bytes of the value ``state`` carries where it is plain host data, else None."""
-    try:
-        return plain_nbytes(_compat.state_payload(state))
-    except AttributeError:  # a state of another shape: its size unknown
-        return None
-
-
-PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray)
-
-
-def _numeric_numpy(item: Any) -> bool:
-    """A NumPy array or number of anything but Python objects."""
-    return type(item).__module__ == "numpy" and not getattr(getattr(item, "dtype", None), "hasobject", True)
-
-
-PLAIN_NODES = 10_000  # the most objects walked; a larger value is not sized
-
-
-def plain_nbytes(value: Any, nodes: int = PLAIN_NODES) -> int | None:
-    """Bytes of ``value`` where it is plain host data: Python's scalars, strings and
-    bytes, NumPy arrays and numbers (not of objects), exceptions, and lists, tuples,
-    sets and dicts of these, walked whole. Anything else, or more than ``nodes``
-    objects, is None. Dask's ``sizeof`` is no judge here: it samples large containers
-    and sizes an object it does not know (a dataclass, a torch tensor) as its shell,
-    and a GPU array it knows is not one for the flow's process to unpickle."""
-    total, stack = 0, [value]
-    while stack:
-        nodes -= 1
-        if nodes < 0:
-            return None
-        item = stack.pop()
-        if isinstance(item, PLAIN_SCALARS):
-            total += sys.getsizeof(item)
-        elif _numeric_numpy(item):
-            total += item.nbytes
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            total += sys.getsizeof(item)
-            stack.extend(item)
-        elif isinstance(item, dict):
-            total += sys.getsizeof(item)
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, BaseException):
-            total += sys.getsizeof(item)
-            stack.extend(item.args)
-        else:
-            return None
-    return total
+    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message})
 
 
 def result_lost() -> dict[str, Any] | bool:

@@ -79,7 +79,6 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.guard": {"replacement_state"},  # through client.run
     },
     "flow.resource_wait": {"scheduler.fallback": {"release", "stranded", "fail"}},  # run_on_scheduler
-    "flow.results": {"scheduler.recycling": {"result_sizes"}},  # run_on_scheduler
     "worker.quarantine": {"scheduler.quarantine": {"withdraw"}},  # run on the scheduler by the worker
     "cli.host_cluster": {  # registered on the host cluster as it starts
         "worker.labels": {"GPULabels"},
