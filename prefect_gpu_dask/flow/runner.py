@@ -63,7 +63,6 @@ from prefect_gpu_dask.worker.compute import ShareServer
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
 from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
-from prefect_gpu_dask.worker.recycling import EarlyStartNotices
 from prefect_gpu_dask.worker.stream import PromptStream
 
 P = ParamSpec("P")
@@ -336,8 +335,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return super().client
 
     def _register_plugins(self, client: distributed.Client, offers: WorkerOffers, recycler: Recycler) -> None:
-        """The labels, the share server, the heap freezer, the prompt stream and the early
-        start notices on every worker, and the guard where the cluster has (or may get) a GPU.
+        """The labels, the share server, the heap freezer and the prompt stream on every
+        worker, and the guard where the cluster has (or may get) a GPU.
 
         Registered on the scheduler: workers that join later get them too, and each
         decides for itself whether it has a GPU to label or guard.
@@ -354,13 +353,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         )
         self._register_optional(
             client, PromptStream(), PromptStream.name, "let workers send to the scheduler promptly"
-        )
-        # Task runs still send their own, from their threads.
-        self._register_optional(
-            client,
-            EarlyStartNotices(),
-            EarlyStartNotices.name,
-            "let workers send start notices as tasks start",
         )
         offered = offers.refresh()
         if self.settings.guard == "off":

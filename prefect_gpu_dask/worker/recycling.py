@@ -4,8 +4,7 @@ and refuse a task run whose previous worker died running it.
 Two doors: the guard hands each record to its ``WorkerRecycling`` (which drains the
 worker when the record asks for a restart, and, in a replacement, holds tasks off until
 the old process's GPU memory is gone); a task run passes ``admit`` before Prefect's
-engine starts, its start notice already queued as the worker began executing it
-(``EarlyStartNotices``). The flow's ``Recycler`` calls ``drain`` and ``resume`` on the
+engine starts. The flow's ``Recycler`` calls ``drain`` and ``resume`` on the
 worker's event loop through ``client.run``.
 """
 
@@ -21,7 +20,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from distributed import WorkerPlugin
 from distributed.core import Status
 
 if TYPE_CHECKING:
@@ -35,7 +33,6 @@ from prefect_gpu_dask.records import (
     RESULT_LOST,
     STARTED_THERE,
     STARTED_TOPIC,
-    TASK_RUN,
     TaskRecord,
 )
 from prefect_gpu_dask.worker.compute import shares_in_flight
@@ -173,7 +170,6 @@ def _tell_scheduler(worker: Any, key: str) -> Callable[[], None]:
     itself, the OOM killer) never sends, and the run would be taken for one that never
     started."""
     if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
-        start_notices(worker).forget(key)
         worker.log_event(STARTED_TOPIC, {"keys": [key], "worker": worker.address})
         return _nothing_to_hear
     return start_notices(worker).tell(key)
@@ -191,8 +187,7 @@ class StartNotices:
 
     Notices made while one is on its way leave together in the next: one round trip per
     batch, not per task run, on a worker whose threads start tasks faster than the
-    scheduler answers. A notice sent as the worker began executing its task
-    (``EarlyStartNotices``) is the one its thread waits for.
+    scheduler answers.
     """
 
     def __init__(self, worker: Any):
@@ -200,29 +195,10 @@ class StartNotices:
         self._lock = threading.Lock()
         self._waiting: list[tuple[str, threading.Event]] = []
         self._sending = False
-        self._early: dict[str, threading.Event] = {}
-
-    def send_early(self, key: str) -> None:
-        """On the event loop, as the worker starts executing ``key``: its notice leaves
-        now, and the task's thread, once it runs, only waits for the answer."""
-        heard = self._queue(key)
-        with self._lock:
-            self._early[key] = heard
-
-    def forget(self, key: str) -> None:
-        """``key`` left executing without its thread taking its early notice."""
-        if key not in self._early:  # every task leaving executing passes here: most have none
-            return
-        with self._lock:
-            self._early.pop(key, None)
 
     def tell(self, key: str) -> Callable[[], None]:
-        """Send ``key``'s notice (with others waiting), unless it was sent early; returns
-        the wait for its answer."""
-        with self._lock:
-            heard = self._early.pop(key, None)
-        if heard is None:
-            heard = self._queue(key)
+        """Send ``key``'s notice (with others waiting); returns the wait for its answer."""
+        heard = self._queue(key)
 
         def wait() -> None:
             if heard.wait(ANNOUNCE_TIMEOUT_S):
@@ -273,40 +249,6 @@ class StartNotices:
 
 
 _notices: weakref.WeakKeyDictionary[Any, StartNotices] = weakref.WeakKeyDictionary()
-
-
-class EarlyStartNotices(WorkerPlugin):
-    """Sends a task run's start notice as its worker starts executing it, from the
-    worker's event loop, instead of from the task's thread once it runs.
-
-    From the thread, the notice waited for the event loop to take the GIL back from
-    Prefect's engine starting in that very thread, and the task's function then waited
-    for the answer. Sent as the task starts executing, the answer comes while the
-    engine starts. The function still waits for it, so the guarantee is the same: it
-    never starts before the scheduler knows. Only the runner's task runs
-    (``TASK_RUN``) send one.
-    """
-
-    name = "prefect-gpu-dask-start-notices"
-    idempotent = True
-
-    def __init__(self) -> None:
-        self._notices: StartNotices | None = None
-
-    def setup(self, worker: Any) -> None:
-        self._notices = start_notices(worker)
-
-    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        # On the worker's event loop, inside its state machine.
-        notices = self._notices
-        if notices is None or not isinstance(key, str):
-            return
-        if finish == "executing":
-            ts = notices.worker.state.tasks.get(key)
-            if ts is not None and (ts.annotations or {}).get(TASK_RUN):
-                notices.send_early(key)
-        elif start == "executing":
-            notices.forget(key)
 
 
 def announce_end(state: Any) -> None:

@@ -48,7 +48,6 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
         "worker.compute": {"ShareServer"},  # the share server plugin, likewise
         "worker.stream": {"PromptStream"},  # the prompt stream plugin, likewise
-        "worker.recycling": {"EarlyStartNotices"},  # the early start notices plugin, likewise
     },
     "flow.submission": {
         # the Dask task of every task run, and what prepares a worker for a flow run
