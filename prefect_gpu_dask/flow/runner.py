@@ -33,7 +33,6 @@ from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
-from prefect_gpu_dask.flow.heap import release_freed_heap_soon
 from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import FailedRuns, ResourceWait, WorkerStartErrors, remember_task
@@ -61,7 +60,6 @@ from prefect_gpu_dask.settings import (
 )
 from prefect_gpu_dask.worker.compute import ShareServer
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
-from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
 from prefect_gpu_dask.worker.stream import PromptStream
 
@@ -335,8 +333,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return super().client
 
     def _register_plugins(self, client: distributed.Client, offers: WorkerOffers, recycler: Recycler) -> None:
-        """The labels, the share server, the heap freezer and the prompt stream on every
-        worker, and the guard where the cluster has (or may get) a GPU.
+        """The labels, the share server and the prompt stream on every worker, and the
+        guard where the cluster has (or may get) a GPU.
 
         Registered on the scheduler: workers that join later get them too, and each
         decides for itself whether it has a GPU to label or guard.
@@ -347,9 +345,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         # compute_on_gpus: shares sent straight from worker to worker
         self._register_optional(
             client, ShareServer(), ShareServer.name, "let workers serve each other's GPU shares"
-        )
-        self._register_optional(
-            client, WorkerHeap(), WorkerHeap.name, "freeze the workers' long-lived heap out of collections"
         )
         self._register_optional(
             client, PromptStream(), PromptStream.name, "let workers send to the scheduler promptly"
@@ -577,7 +572,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             finally:
                 if ran_flow:
                     self._forget_flow_run()
-                    release_freed_heap_soon()
 
     def _forget_flow_run(self) -> None:
         """Drop what served the ended flow run but its records, restarts and quarantines.

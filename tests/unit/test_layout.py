@@ -45,7 +45,6 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "scheduler.metrics": {"GPUMetrics"},  # the metrics plugin, registered on the scheduler
         "worker.guard": {"GPUMemoryGuard"},  # the guard plugin, registered for every worker
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
-        "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
         "worker.compute": {"ShareServer"},  # the share server plugin, likewise
         "worker.stream": {"PromptStream"},  # the prompt stream plugin, likewise
     },
