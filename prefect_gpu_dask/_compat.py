@@ -300,32 +300,6 @@ def imported_module(name: str) -> Any:
     return module
 
 
-@fail_safe("a forked GPU worker's CUDA context made beside its start", _none)
-def make_cuda_contexts_with(beside: Callable[[Callable[[], None]], None]) -> None:
-    """In the workers forked from this process from now on, make dask-cuda's
-    ``dask_cuda.initialize`` preload hand the making of the worker's CUDA context to
-    ``beside`` (``worker.cuda_context.make_beside``: a thread of its own) instead of
-    making it in the worker's event loop before the worker registers. Only the CUDA and
-    NVML step moves (``_create_cuda_context_and_warn``); the preload's look for
-    distributed-ucxx, an import, stays in the event loop. dask-cuda says of this step
-    that, over TCP, when the context is made does not matter; over UCX, distributed-ucxx
-    makes it before the comms start and the preload skips the step. Public replacement:
-    an option of the preload (or of ``LocalCUDACluster``) to make the context off the
-    event loop.
-    """
-    import dask_cuda.initialize
-
-    make = dask_cuda.initialize._create_cuda_context_and_warn
-    if getattr(make, "handed_over", False):
-        return
-
-    def hand_over() -> None:
-        beside(make)
-
-    hand_over.handed_over = True  # type: ignore[attr-defined]
-    dask_cuda.initialize._create_cuda_context_and_warn = hand_over
-
-
 @fail_safe("workers sharing the flow run's temporary Prefect server", _none)
 def started_ephemeral_api_server() -> Any:
     """Prefect's ephemeral API server for this process, started (at once where it runs).
