@@ -8,7 +8,6 @@ Results are fetched as prefect-dask fetches them: ``PrefectDaskFuture.result`` a
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -20,8 +19,6 @@ from prefect_gpu_dask import _compat
 
 if TYPE_CHECKING:
     from prefect_dask.task_runners import PrefectDaskFuture
-
-logger = logging.getLogger(__name__)
 
 # What a call to the scheduler (or through it, to a worker) raises where the connection
 # dropped, the cluster is closing or the answer came too late; ``asyncio.TimeoutError``
