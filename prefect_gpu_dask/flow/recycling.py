@@ -26,6 +26,7 @@ every worker is idle; then ``Scheduler.restart``, as ``client.restart()`` does.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -713,7 +714,9 @@ def unsubscribe(client: distributed.Client, *topics: str) -> None:
 class RecyclableFuture(PrefectDaskFuture):
     """The runner's ``PrefectDaskFuture``: its result may move into the flow while a
     thread waits on it. The move lets Dask forget the key, which cancels that wait;
-    the waiter gets the moved state instead of ``CancelledError``."""
+    the waiter gets the moved state instead of ``CancelledError``. A state the flow
+    settles while a thread waits (``settle``) is what that thread gets, not the error
+    Dask then fails the key with."""
 
     def wait(self, timeout: float | None = None) -> None:
         if _compat.future_final_state(self) is not None:
@@ -725,6 +728,17 @@ class RecyclableFuture(PrefectDaskFuture):
                 raise
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        try:
+            if _compat.future_final_state(self) is None:
+                # Waited for without Dask's error: a state the flow settles meanwhile wins
+                # (a run its dead worker left Crashed, one no worker took Failed).
+                self.wrapped_future.exception(timeout=timeout)
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # one from Python 3.11 on
+            message = f"Task run {self.task_run_id} did not complete within {timeout} seconds"
+            raise TimeoutError(message) from exc  # as prefect-dask says it
+        except CancelledError:
+            if not is_moved(self):
+                raise
         try:
             return super().result(timeout, raise_on_failure)
         except CancelledError:
