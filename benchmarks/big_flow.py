@@ -18,7 +18,7 @@ its guard reading the scripted probe; ``benchmarks.common.one_gpu_slot_runner``)
 
 ``held`` is the slope between the two, per 1,000 task runs: ``(H2 - H1) / (tasks -
 first) x 1000``. Whatever is bounded (distributed's message and event logs of 1,000
-entries, the runner's caches of 1,024 entries, the read-ahead window) fills during
+entries, the runner's caches of 1,024 entries) fills during
 step 2 and does not count; what grows with the flow does. Prefect's event and log
 queues are drained before each reading (a backlog waiting for the API is not held per
 task run). Both runners keep a final state per future (Prefect's own futures do), so

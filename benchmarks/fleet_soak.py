@@ -416,10 +416,9 @@ def settled_rss_kib() -> int:
     library is not glibc). Freed memory the allocator keeps comes and goes with Python's
     full collections, a cycle as long as a short soak; what is left after both is what
     the process still holds."""
-    from prefect_gpu_dask.flow.heap import release_freed_heap
-
     gc.collect()
-    release_freed_heap()
+    with contextlib.suppress(AttributeError, OSError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
     return process_status()["rss_kib"]
 
 

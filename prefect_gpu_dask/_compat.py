@@ -122,17 +122,6 @@ def future_final_state(future: Any) -> Any:
     return getattr(future, "_final_state", None)
 
 
-@fail_safe("sizing a task run's result on its worker", lambda state: getattr(state, "data", None))
-def state_payload(state: Any) -> Any:
-    """What a Prefect state holds in memory: its result record's value, else its data.
-
-    Used to size a task run's result on the worker without reading result storage.
-    Public replacement: none (``State.result()`` may read persisted results).
-    """
-    data = state.data
-    return data.result if type(data).__name__ == "ResultRecord" else data
-
-
 _TAG_SLOTS_NEEDED: contextvars.ContextVar[Callable[[list[str]], bool] | None] = contextvars.ContextVar(
     "prefect_gpu_dask_tag_slots_needed", default=None
 )
@@ -309,32 +298,6 @@ def imported_module(name: str) -> Any:
     if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
         return None
     return module
-
-
-@fail_safe("a forked GPU worker's CUDA context made beside its start", _none)
-def make_cuda_contexts_with(beside: Callable[[Callable[[], None]], None]) -> None:
-    """In the workers forked from this process from now on, make dask-cuda's
-    ``dask_cuda.initialize`` preload hand the making of the worker's CUDA context to
-    ``beside`` (``worker.cuda_context.make_beside``: a thread of its own) instead of
-    making it in the worker's event loop before the worker registers. Only the CUDA and
-    NVML step moves (``_create_cuda_context_and_warn``); the preload's look for
-    distributed-ucxx, an import, stays in the event loop. dask-cuda says of this step
-    that, over TCP, when the context is made does not matter; over UCX, distributed-ucxx
-    makes it before the comms start and the preload skips the step. Public replacement:
-    an option of the preload (or of ``LocalCUDACluster``) to make the context off the
-    event loop.
-    """
-    import dask_cuda.initialize
-
-    make = dask_cuda.initialize._create_cuda_context_and_warn
-    if getattr(make, "handed_over", False):
-        return
-
-    def hand_over() -> None:
-        beside(make)
-
-    hand_over.handed_over = True  # type: ignore[attr-defined]
-    dask_cuda.initialize._create_cuda_context_and_warn = hand_over
 
 
 @fail_safe("workers sharing the flow run's temporary Prefect server", _none)

@@ -5,8 +5,6 @@ Each worker start, and each restart of a leaking worker, skips seconds of import
 flow process uses it for the local clusters the runner starts
 (``flow.cluster``); a remote worker's nanny uses it through ``worker.nanny``. The
 server never touches CUDA or NVML, so every worker still makes its own CUDA context.
-Its last import freezes its heap (``worker.fork_server_heap``): a worker starts with
-what it inherited already out of full collections.
 """
 
 from __future__ import annotations
@@ -50,8 +48,6 @@ WORKER_PRELOAD = (
 # own. The import makes no CUDA call, so workers still fork from a process that never
 # initialised CUDA.
 CUDA_WORKER_PRELOAD = ("prefect_gpu_dask.worker.fork_server_cuda",)
-# Imported last, after the others: freezes the server's heap.
-FREEZE_HEAP = "prefect_gpu_dask.worker.fork_server_heap"
 
 
 _fork_server_lock = threading.Lock()
@@ -132,9 +128,8 @@ def worker_start_method(cuda: bool = False, preload: Sequence[str] | None = None
 
 
 def server_preload(preload: Sequence[str], cuda: bool) -> list[str]:
-    """What the server imports, in order: ``preload``, then dask-cuda for CUDA workers,
-    then the heap freeze."""
-    return [*preload, *(CUDA_WORKER_PRELOAD if cuda else ()), FREEZE_HEAP]
+    """What the server imports, in order: ``preload``, then dask-cuda for CUDA workers."""
+    return [*preload, *(CUDA_WORKER_PRELOAD if cuda else ())]
 
 
 def start_fork_server(cuda: bool = False) -> None:

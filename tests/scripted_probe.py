@@ -167,19 +167,6 @@ def native(nbytes: int) -> None:
     LEAKED.append(FakeBlock(nbytes, pooled=False))
 
 
-def make_context_beside_start(nbytes: int, seconds: float) -> None:
-    """What dask-cuda's preload does in a forked GPU worker: the process's context, made
-    in a thread of its own (``worker.cuda_context``), here ``nbytes`` outside the
-    allocator after ``seconds``."""
-    from prefect_gpu_dask.worker import cuda_context
-
-    def make() -> None:
-        time.sleep(seconds)
-        LEAKED.append(FakeBlock(nbytes, pooled=False))
-
-    cuda_context.make_beside(make)
-
-
 def churn(nbytes: int) -> None:
     """Leave ``nbytes`` in cyclic garbage: freed only by a collection."""
     import gc

@@ -26,6 +26,7 @@ every worker is idle; then ``Scheduler.restart``, as ``client.restart()`` does.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -46,8 +47,6 @@ from prefect_gpu_dask.errors import died_running, worker_died_message
 from prefect_gpu_dask.flow.prefect_api import API_ERRORS
 from prefect_gpu_dask.flow.results import (
     PACKAGE_ERRORS,
-    READ_ERRORS,
-    ReadAhead,
     final_states_lock,
     is_moved,
     moved,
@@ -718,30 +717,12 @@ def unsubscribe(client: distributed.Client, *topics: str) -> None:
 class RecyclableFuture(PrefectDaskFuture):
     """The runner's ``PrefectDaskFuture``: its result may move into the flow while a
     thread waits on it. The move lets Dask forget the key, which cancels that wait;
-    the waiter gets the moved state instead of ``CancelledError``. Its state is
-    fetched by ``read_ahead`` where the runner gave it one (``flow.results``)."""
-
-    read_ahead: ReadAhead | None = None
-
-    def _fetched(self, timeout: float | None) -> bool:
-        """Whether the final state is here, fetching it (and others) where it can."""
-        if _compat.future_final_state(self) is not None:
-            return True
-        return self.read_ahead is not None and self.read_ahead.fetch(self, timeout)
-
-    def _fetched_or_timed_out(self, timeout: float | None) -> tuple[bool, bool]:
-        """Whether the final state is here, and whether ``timeout`` passed before the run
-        ended. Where fetching failed, neither: prefect-dask's own path waits and says why."""
-        try:
-            fetched = self._fetched(timeout)
-        except READ_ERRORS:  # the key lost or released, the scheduler gone
-            logger.debug("Fetching the state of %s failed", self.task_run_id, exc_info=True)
-            return False, False
-        return fetched, not fetched and self.read_ahead is not None and not self.wrapped_future.done()
+    the waiter gets the moved state instead of ``CancelledError``. A state the flow
+    settles while a thread waits (``settle``) is what that thread gets, not the error
+    Dask then fails the key with."""
 
     def wait(self, timeout: float | None = None) -> None:
-        fetched, timed_out = self._fetched_or_timed_out(timeout)
-        if fetched or timed_out:
+        if _compat.future_final_state(self) is not None:
             return
         try:
             super().wait(timeout)
@@ -750,10 +731,17 @@ class RecyclableFuture(PrefectDaskFuture):
                 raise
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        _, timed_out = self._fetched_or_timed_out(timeout)
-        if timed_out:
-            # As prefect-dask says it, once: ``timeout`` has passed already.
-            raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} seconds")
+        try:
+            if _compat.future_final_state(self) is None:
+                # Waited for without Dask's error: a state the flow settles meanwhile wins
+                # (a run its dead worker left Crashed, one no worker took Failed).
+                self.wrapped_future.exception(timeout=timeout)
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # one from Python 3.11 on
+            message = f"Task run {self.task_run_id} did not complete within {timeout} seconds"
+            raise TimeoutError(message) from exc  # as prefect-dask says it
+        except CancelledError:
+            if not is_moved(self):
+                raise
         try:
             return super().result(timeout, raise_on_failure)
         except CancelledError:

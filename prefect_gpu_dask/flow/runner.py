@@ -33,7 +33,6 @@ from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
-from prefect_gpu_dask.flow.heap import release_freed_heap_soon
 from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import FailedRuns, ResourceWait, WorkerStartErrors, remember_task
@@ -61,9 +60,7 @@ from prefect_gpu_dask.settings import (
     parse_threshold,
 )
 from prefect_gpu_dask.worker.guard import GPUMemoryGuard
-from prefect_gpu_dask.worker.heap import WorkerHeap
 from prefect_gpu_dask.worker.labels import GPULabels
-from prefect_gpu_dask.worker.recycling import EarlyStartNotices
 from prefect_gpu_dask.worker.stream import PromptStream
 
 P = ParamSpec("P")
@@ -336,8 +333,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
         return super().client
 
     def _register_plugins(self, client: distributed.Client, offers: WorkerOffers, recycler: Recycler) -> None:
-        """The labels, the heap freezer, the prompt stream and the early
-        start notices on every worker, and the guard where the cluster has (or may get) a GPU.
+        """The labels and the prompt stream on every worker, the shared blobs' keeper on the
+        scheduler, and the guard where the cluster has (or may get) a GPU.
 
         Registered on the scheduler: workers that join later get them too, and each
         decides for itself whether it has a GPU to label or guard.
@@ -350,17 +347,7 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             client, SharedBlobs(), SharedBlobs.name, "keep the flow runs' task objects through a restart"
         )
         self._register_optional(
-            client, WorkerHeap(), WorkerHeap.name, "freeze the workers' long-lived heap out of collections"
-        )
-        self._register_optional(
             client, PromptStream(), PromptStream.name, "let workers send to the scheduler promptly"
-        )
-        # Task runs still send their own, from their threads.
-        self._register_optional(
-            client,
-            EarlyStartNotices(),
-            EarlyStartNotices.name,
-            "let workers send start notices as tasks start",
         )
         offered = offers.refresh()
         if self.settings.guard == "off":
@@ -583,7 +570,6 @@ class GPUDaskTaskRunner(DaskTaskRunner):
             finally:
                 if ran_flow:
                     self._forget_flow_run()
-                    release_freed_heap_soon()
 
     def _forget_flow_run(self) -> None:
         """Drop what served the ended flow run but its records, restarts and quarantines.

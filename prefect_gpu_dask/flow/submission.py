@@ -32,7 +32,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from prefect_gpu_dask import _compat
 from prefect_gpu_dask.flow.recycling import RecyclableFuture, Recycler, resolved
 from prefect_gpu_dask.flow.resource_wait import ResourceWait
-from prefect_gpu_dask.flow.results import PACKAGE_ERRORS, SCHEDULER_ERRORS, ReadAhead
+from prefect_gpu_dask.flow.results import PACKAGE_ERRORS, SCHEDULER_ERRORS
 from prefect_gpu_dask.flow.routing import Route
 from prefect_gpu_dask.payload import SHARED_METADATA, Shared, SharedRef, seal
 from prefect_gpu_dask.records import TASK_RUN
@@ -81,9 +81,7 @@ class TaskSubmitter:
     The route is applied as it is: the task is cloned with what runs around its
     function on the worker (``dressed``), submitted asking for the route's resources,
     its deadline handed to ``ResourceWait`` where it waits for them, and its future to
-    the ``Recycler``, which may move its result out of a worker it restarts, and to
-    ``ReadAhead``, which fetches its state with those of the futures submitted just
-    after it.
+    the ``Recycler``, which may move its result out of a worker it restarts.
 
     What is fixed for a flow run travels as ``Shared`` blobs: the task object, the
     settings and the flow-run context (whose result-store block regenerates its JSON
@@ -106,7 +104,6 @@ class TaskSubmitter:
         self._settings = settings
         self._recycler = recycler
         self._resource_wait = resource_wait
-        self._read_ahead = ReadAhead(client)
         self._stand_ins: dict[type, tuple[Any, _Serialized]] = {}
         # Bounded: task objects made on the fly must not all stay alive here.
         self._shared: OrderedDict[tuple[str, int], tuple[Any, Shared]] = OrderedDict()
@@ -134,8 +131,6 @@ class TaskSubmitter:
         if route.wait_s:
             self._resource_wait.add(key, route.resources, route.wait_s)
         tracked = RecyclableFuture(wrapped_future=future, task_run_id=task_run_id)
-        tracked.read_ahead = self._read_ahead
-        self._read_ahead.track(key, tracked)
         self._recycler.track(key, tracked)
         return tracked
 

@@ -296,23 +296,6 @@ def lost(why: str) -> dict[str, Any]:
     return {"outcome": LOST, "why": why}
 
 
-def result_sizes(keys: list[str], beside: str, dask_scheduler: Any = None) -> dict[str, int]:
-    """The size of each task run result among ``keys`` held on a worker that holds
-    ``beside`` too, as its worker told it on ``ENDED_TOPIC`` (``InterruptedTasks``); a
-    key without one, or held elsewhere only, is left out."""
-    plugin = dask_scheduler.plugins.get(InterruptedTasks.name)
-    ts = dask_scheduler.tasks.get(beside)
-    if plugin is None or ts is None or not ts.who_has:
-        return {}
-    holders = set(ts.who_has)
-    sizes = {}
-    for key in keys:
-        other = dask_scheduler.tasks.get(key)
-        if key in plugin.sizes and other is not None and holders & set(other.who_has or ()):
-            sizes[key] = plugin.sizes[key]
-    return sizes
-
-
 def mark_interrupted(keys: list[str], worker: str, dask_scheduler: Any = None) -> None:
     """Mark tasks that die with ``worker`` as ``InterruptedTasks`` would, however the
     worker leaves: a hung task must not run again on the next worker."""
@@ -362,7 +345,6 @@ class InterruptedTasks(SchedulerPlugin):
         self.running_on: dict[Any, str] = {}  # where each task went processing
         self.started: dict[Any, str] = {}  # the worker each task started on
         self.ended: dict[Any, dict[str, Any]] = {}  # how each task run whose result is held ended
-        self.sizes: dict[Any, int] = {}  # the bytes of each held result, as its worker told
         self.names: dict[str, Any] = {}  # worker address -> its name
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -395,7 +377,6 @@ class InterruptedTasks(SchedulerPlugin):
         self.running_on.clear()  # every task is forgotten
         self.started.clear()
         self.ended.clear()
-        self.sizes.clear()
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == STARTED_TOPIC and isinstance(msg, dict) and self.scheduler is not None:
@@ -410,8 +391,6 @@ class InterruptedTasks(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key) if isinstance(key, str) else None
             if ts is not None and ts.processing_on is not None and ts.processing_on.address == worker:
                 self.ended[key] = {k: msg.get(k) for k in ("type", "name", "message")}
-                if isinstance(nbytes := msg.get("nbytes"), int):
-                    self.sizes[key] = nbytes
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.scheduler is None:
@@ -422,7 +401,6 @@ class InterruptedTasks(SchedulerPlugin):
                 self.running_on[key] = ts.processing_on.address
         elif start == "memory" and finish in ("released", "forgotten"):
             ended = self.ended.pop(key, None)
-            self.sizes.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             # Only a lost copy releases a result that is still wanted: Dask computes it again.
             if (
@@ -436,8 +414,6 @@ class InterruptedTasks(SchedulerPlugin):
             queued_on = self.running_on.pop(key, None)
             started_on = self.started.pop(key, None)
             ended = self.ended.get(key) if finish == "memory" else self.ended.pop(key, None)
-            if finish != "memory":
-                self.sizes.pop(key, None)
             ts = self.scheduler.tasks.get(key)
             if finish != "released" or ts is None:
                 return

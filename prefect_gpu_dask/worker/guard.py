@@ -12,7 +12,6 @@ sent to the flow as a ``TaskRecord`` in a Dask worker event.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import gc
@@ -42,7 +41,7 @@ from prefect_gpu_dask.records import (
 )
 from prefect_gpu_dask.resources import GPU_RESOURCE
 from prefect_gpu_dask.settings import RunnerSettings
-from prefect_gpu_dask.worker import cuda_context, task_threads
+from prefect_gpu_dask.worker import task_threads
 from prefect_gpu_dask.worker.activity import Activity, ActivityWatch
 from prefect_gpu_dask.worker.compute import GRAPH_THREAD_PREFIX
 from prefect_gpu_dask.worker.metrics import serve_gauges
@@ -247,7 +246,7 @@ class GPUMemoryGuard(WorkerPlugin):
         self.recycling = WorkerRecycling(worker, self.settings.restart)
         self._count_rmm()  # dask-cuda's RMM setup (rmm_pool_size, rmm_async) ran before
         await self.recycling.wait_for_predecessor(self.probe)  # a replacement: the old memory goes first
-        cuda_context.then(self._take_baseline)  # with the context, where it is still in the making
+        self._take_baseline()
         # Before a task only ``judged`` counts (the device-wide figures come after it).
         self._read_process = process_sampler(self.probe)
         self._read_after = AfterSampler(self.probe, process=self._read_process)
@@ -363,12 +362,6 @@ class GPUMemoryGuard(WorkerPlugin):
         assert self._read_allocators is not None
         ticket = next(self._tickets)
         self._count_rmm()  # RMM loaded by a task since (cuDF), or its resource replaced
-        # A context still in the making is the process's, not the task's.
-        if not cuda_context.wait(cuda_context.MOST_WAIT_S):
-            logger.warning(
-                "This worker's CUDA context is still in the making after %.0f s: guarding without it",
-                cuda_context.MOST_WAIT_S,
-            )
         before = read_process()
         if before.process == 0 and _create_cuda_context():
             before = read_process()  # the context is the process's, not the task's
@@ -487,15 +480,11 @@ def current_guard() -> GPUMemoryGuard | None:
 
 
 async def replacement_state(dask_worker: Worker) -> dict[str, Any]:
-    """Who this worker is and its GPU memory once it can serve a GPU task (its CUDA
-    context made): read from a replacement after a restart."""
+    """Who this worker is and its GPU memory: read from a replacement after a restart."""
     guard = guard_of(dask_worker)
-    if guard is not None:
-        await asyncio.to_thread(cuda_context.wait, cuda_context.MOST_WAIT_S)
     return {
         "pid": os.getpid(),
         "name": str(dask_worker.name),
-        # None only where the context was still in the making after that wait
         "baseline": guard.baseline.judged if guard is not None and guard.baseline is not None else None,
         "now": guard.probe.sample().judged if guard is not None and guard.probe is not None else None,
         "released_at": (

@@ -4,8 +4,7 @@ and refuse a task run whose previous worker died running it.
 Two doors: the guard hands each record to its ``WorkerRecycling`` (which drains the
 worker when the record asks for a restart, and, in a replacement, holds tasks off until
 the old process's GPU memory is gone); a task run passes ``admit`` before Prefect's
-engine starts, its start notice already queued as the worker began executing it
-(``EarlyStartNotices``). The flow's ``Recycler`` calls ``drain`` and ``resume`` on the
+engine starts. The flow's ``Recycler`` calls ``drain`` and ``resume`` on the
 worker's event loop through ``client.run``.
 """
 
@@ -15,17 +14,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from distributed import WorkerPlugin
 from distributed.core import Status
-
-from prefect_gpu_dask import _compat
 
 if TYPE_CHECKING:
     from prefect import Task
@@ -38,7 +33,6 @@ from prefect_gpu_dask.records import (
     RESULT_LOST,
     STARTED_THERE,
     STARTED_TOPIC,
-    TASK_RUN,
     TaskRecord,
 )
 from prefect_gpu_dask.worker.taskwrap import refused, with_around
@@ -175,7 +169,6 @@ def _tell_scheduler(worker: Any, key: str) -> Callable[[], None]:
     itself, the OOM killer) never sends, and the run would be taken for one that never
     started."""
     if worker.thread_id == threading.get_ident():  # on the event loop: no waiting there
-        start_notices(worker).forget(key)
         worker.log_event(STARTED_TOPIC, {"keys": [key], "worker": worker.address})
         return _nothing_to_hear
     return start_notices(worker).tell(key)
@@ -193,8 +186,7 @@ class StartNotices:
 
     Notices made while one is on its way leave together in the next: one round trip per
     batch, not per task run, on a worker whose threads start tasks faster than the
-    scheduler answers. A notice sent as the worker began executing its task
-    (``EarlyStartNotices``) is the one its thread waits for.
+    scheduler answers.
     """
 
     def __init__(self, worker: Any):
@@ -202,29 +194,10 @@ class StartNotices:
         self._lock = threading.Lock()
         self._waiting: list[tuple[str, threading.Event]] = []
         self._sending = False
-        self._early: dict[str, threading.Event] = {}
-
-    def send_early(self, key: str) -> None:
-        """On the event loop, as the worker starts executing ``key``: its notice leaves
-        now, and the task's thread, once it runs, only waits for the answer."""
-        heard = self._queue(key)
-        with self._lock:
-            self._early[key] = heard
-
-    def forget(self, key: str) -> None:
-        """``key`` left executing without its thread taking its early notice."""
-        if key not in self._early:  # every task leaving executing passes here: most have none
-            return
-        with self._lock:
-            self._early.pop(key, None)
 
     def tell(self, key: str) -> Callable[[], None]:
-        """Send ``key``'s notice (with others waiting), unless it was sent early; returns
-        the wait for its answer."""
-        with self._lock:
-            heard = self._early.pop(key, None)
-        if heard is None:
-            heard = self._queue(key)
+        """Send ``key``'s notice (with others waiting); returns the wait for its answer."""
+        heard = self._queue(key)
 
         def wait() -> None:
             if heard.wait(ANNOUNCE_TIMEOUT_S):
@@ -277,104 +250,18 @@ class StartNotices:
 _notices: weakref.WeakKeyDictionary[Any, StartNotices] = weakref.WeakKeyDictionary()
 
 
-class EarlyStartNotices(WorkerPlugin):
-    """Sends a task run's start notice as its worker starts executing it, from the
-    worker's event loop, instead of from the task's thread once it runs.
-
-    From the thread, the notice waited for the event loop to take the GIL back from
-    Prefect's engine starting in that very thread, and the task's function then waited
-    for the answer. Sent as the task starts executing, the answer comes while the
-    engine starts. The function still waits for it, so the guarantee is the same: it
-    never starts before the scheduler knows. Only the runner's task runs
-    (``TASK_RUN``) send one.
-    """
-
-    name = "prefect-gpu-dask-start-notices"
-    idempotent = True
-
-    def __init__(self) -> None:
-        self._notices: StartNotices | None = None
-
-    def setup(self, worker: Any) -> None:
-        self._notices = start_notices(worker)
-
-    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        # On the worker's event loop, inside its state machine.
-        notices = self._notices
-        if notices is None or not isinstance(key, str):
-            return
-        if finish == "executing":
-            ts = notices.worker.state.tasks.get(key)
-            if ts is not None and (ts.annotations or {}).get(TASK_RUN):
-                notices.send_early(key)
-        elif start == "executing":
-            notices.forget(key)
-
-
 def announce_end(state: Any) -> None:
     """In a task, once its Prefect engine returned the run's final state and before the
     result leaves: tell the scheduler how the run ended, on the worker's stream, ahead of
     the task's own completion (``InterruptedTasks`` keeps it while the result is held).
     A worker that dies holding the result has then told how the run ended, which Prefect's
-    API hears from events the dying process may not have sent. It tells the result's size
-    too, which the flow reads before fetching a state it has not asked for yet."""
+    API hears from events the dying process may not have sent."""
     key, _ = _marks()
     worker = current_worker()
     if not isinstance(key, str) or worker is None or getattr(state, "type", None) is None:
         return
     ended = {"key": key, "worker": worker.address, "type": state.type.value, "name": state.name}
-    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message, "nbytes": result_nbytes(state)})
-
-
-def result_nbytes(state: Any) -> int | None:
-    """Bytes of the value ``state`` carries where it is plain host data, else None."""
-    try:
-        return plain_nbytes(_compat.state_payload(state))
-    except AttributeError:  # a state of another shape: its size unknown
-        return None
-
-
-PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray)
-
-
-def _numeric_numpy(item: Any) -> bool:
-    """A NumPy array or number of anything but Python objects."""
-    return type(item).__module__ == "numpy" and not getattr(getattr(item, "dtype", None), "hasobject", True)
-
-
-PLAIN_NODES = 10_000  # the most objects walked; a larger value is not sized
-
-
-def plain_nbytes(value: Any, nodes: int = PLAIN_NODES) -> int | None:
-    """Bytes of ``value`` where it is plain host data: Python's scalars, strings and
-    bytes, NumPy arrays and numbers (not of objects), exceptions, and lists, tuples,
-    sets and dicts of these, walked whole. Anything else, or more than ``nodes``
-    objects, is None. Dask's ``sizeof`` is no judge here: it samples large containers
-    and sizes an object it does not know (a dataclass, a torch tensor) as its shell,
-    and a GPU array it knows is not one for the flow's process to unpickle."""
-    total, stack = 0, [value]
-    while stack:
-        nodes -= 1
-        if nodes < 0:
-            return None
-        item = stack.pop()
-        if isinstance(item, PLAIN_SCALARS):
-            total += sys.getsizeof(item)
-        elif _numeric_numpy(item):
-            total += item.nbytes
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            total += sys.getsizeof(item)
-            stack.extend(item)
-        elif isinstance(item, dict):
-            total += sys.getsizeof(item)
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, BaseException):
-            total += sys.getsizeof(item)
-            stack.extend(item.args)
-        else:
-            return None
-    return total
+    worker.log_event(ENDED_TOPIC, {**ended, "message": state.message})
 
 
 def result_lost() -> dict[str, Any] | bool:

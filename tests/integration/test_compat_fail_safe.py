@@ -123,7 +123,6 @@ def test_each_entry_answers_its_fallback_where_its_name_is_gone(monkeypatch):
     assert _compat.reschedule(nothing, "key", "tcp://w", "s") is None
     assert _compat.drop_resource_restrictions(nothing, ["key"], "s") == []
     assert _compat.worker_resources(nothing) == {}
-    assert _compat.state_payload(nothing) is None
     assert _compat.set_future_final_state(7, "state") is None  # an int takes no attribute
     assert _compat.as_on_worker(nothing, lambda x: x + 1, 1) == 2
     assert _compat.current_task_restrictions() is None

@@ -27,7 +27,7 @@ from prefect.context import FlowRunContext
 from prefect_gpu_dask import GPUDaskTaskRunner
 from prefect_gpu_dask.worker.recycling import drain
 from tests.conftest import recorded_task_run
-from tests.scripted_probe import FAKE_PROBE, churn, leak, make_context_beside_start, native, native_once
+from tests.scripted_probe import FAKE_PROBE, churn, leak, native, native_once
 
 MiB = 2**20
 
@@ -138,30 +138,6 @@ def test_leak_restarts_only_that_worker_and_loses_nothing(dask_processes, tmp_pa
     assert restart.memory_after == 0  # the fresh process holds nothing
     [artifact] = gpu_memory_artifact(out["flow_run_id"])
     assert '"verdict": "leak"' in artifact.data and "leaky" in artifact.data
-
-
-def test_a_context_still_in_the_making_is_the_workers_not_the_first_tasks(dask_processes, tmp_path):
-    address = start_guarded_cluster(dask_processes)
-
-    @flow(task_runner=GPUDaskTaskRunner(address=address, leak_threshold="64MiB", memory_probe=FAKE_PROBE))
-    def first_task_beside_the_context():
-        runner = FlowRunContext.get().task_runner
-        # As a forked GPU worker's preload does: the context is made beside the worker's
-        # start, and the first task arrives before it is done.
-        runner.client.run(make_context_beside_start, 256 * MiB, 1.5, workers=[gpu_worker_address(runner)])
-        clean.submit(str(tmp_path / "ledger"), 0).result()
-        return runner.records, runner.restarts
-
-    records, restarts = first_task_beside_the_context()
-    [record] = records
-    assert record.before == 256 * MiB and record.delta == 0 and record.verdict == "clean", record
-    assert not restarts
-
-
-def gpu_worker_address(runner) -> str:
-    workers = runner.client.scheduler_info(n_workers=-1)["workers"]
-    [address] = [a for a, w in workers.items() if w.get("resources", {}).get("GPU")]
-    return address
 
 
 def test_pool_churn_is_clean_and_never_restarts(dask_processes, tmp_path):

@@ -52,7 +52,6 @@ def mid_flow() -> None:
     MID_FLOW.pop("action")()
 
 
-
 def submit_both_and_wait() -> tuple[list, float, float]:
     """In a flow: a `gpu` and a plain task run, each waited for; their states and task-run
     ids, and when the wait began and ended."""
@@ -61,6 +60,7 @@ def submit_both_and_wait() -> tuple[list, float, float]:
     for future in futures:
         future.wait(timeout=WAIT_S + 60)
     return [(f.state, f.task_run_id) for f in futures], started, time.monotonic()
+
 
 def assert_failed_for_no_worker(states: list, address: str, started: float, ended: float) -> None:
     """Each state is ``Failed`` for want of a worker, naming the cluster, within the bound;

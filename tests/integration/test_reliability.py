@@ -232,35 +232,6 @@ def test_task_runs_starting_together_share_one_start_notice_each_answered(procs)
     assert len(notices) < len(keys), "no start notice carried more than one task run"
 
 
-def not_announced(_: int) -> int:
-    return os.getpid()
-
-
-def test_a_task_run_starting_to_execute_sends_its_start_notice_once_from_the_event_loop(procs):
-    """With ``EarlyStartNotices`` the worker sends a task run's notice as it starts
-    executing it, even when the thread never asks; a thread that does ask (as every task
-    run's entry does) waits for that same notice, so each start is told exactly once.
-    Tasks that are not the runner's task runs send none."""
-    import dask
-
-    from prefect_gpu_dask.records import STARTED_TOPIC, TASK_RUN
-    from prefect_gpu_dask.worker.recycling import EarlyStartNotices
-
-    address = procs.start_scheduler()
-    procs.start_worker("gpu-worker", "--nthreads", "4")
-    procs.wait_for_workers(1)
-    with Client(address) as client:
-        client.register_plugin(EarlyStartNotices(), name=EarlyStartNotices.name)
-        with dask.annotate(**{TASK_RUN: True}):
-            silent = [client.submit(not_announced, i, pure=False) for i in range(16)]
-            asking = [client.submit(queued_behind, i, pure=False) for i in range(16)]
-        plain = [client.submit(not_announced, i, pure=False) for i in range(16)]
-        client.gather(silent + plain)
-        assert client.gather(asking) == [(None, False)] * 16
-        keys = Counter(key for _, msg in client.get_events(STARTED_TOPIC) for key in msg["keys"])
-    assert keys == Counter(f.key for f in silent + asking)
-
-
 def test_the_scheduler_tells_a_started_task_from_a_queued_one_on_a_dead_worker(procs, tmp_path):
     from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 

@@ -56,11 +56,11 @@ def test_started_clusters_sample_profiles_coarser_unless_the_user_chose_an_inter
         assert local_cluster_config(gpu_wait_s=5) == {}
 
 
-def test_the_fork_server_imports_dask_cuda_only_for_cuda_workers_and_freezes_its_heap_last():
-    from prefect_gpu_dask.forkserver import CUDA_WORKER_PRELOAD, FREEZE_HEAP, server_preload
+def test_the_fork_server_imports_dask_cuda_only_for_cuda_workers():
+    from prefect_gpu_dask.forkserver import CUDA_WORKER_PRELOAD, server_preload
 
-    assert server_preload(["prefect"], cuda=True) == ["prefect", *CUDA_WORKER_PRELOAD, FREEZE_HEAP]
-    assert server_preload(["prefect"], cuda=False) == ["prefect", FREEZE_HEAP]
+    assert server_preload(["prefect"], cuda=True) == ["prefect", *CUDA_WORKER_PRELOAD]
+    assert server_preload(["prefect"], cuda=False) == ["prefect"]
 
 
 def test_a_local_clusters_closed_streams_log_their_line_without_a_traceback():

@@ -14,7 +14,7 @@ from prefect_gpu_dask.records import (
     STARTED_TOPIC,
     TASK_RUN,
 )
-from prefect_gpu_dask.scheduler.recycling import InterruptedTasks, result_sizes
+from prefect_gpu_dask.scheduler.recycling import InterruptedTasks
 
 A, B = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"
 
@@ -150,41 +150,3 @@ def test_a_run_that_ended_on_a_worker_that_died_before_its_result_arrived_is_not
 def test_an_end_told_by_another_worker_than_the_one_running_it_is_ignored():
     ts = ended_then_died(told_by=A)
     assert RESULT_LOST not in ts.annotations and ts.annotations[INTERRUPTED] == B
-
-
-def ended_in_memory(
-    interrupted: InterruptedTasks, key: str, worker: str, nbytes: int | None
-) -> SimpleNamespace:
-    """A task run on ``worker`` that told how it ended (and its result's size), now held there."""
-    ts = task(interrupted.scheduler, key)
-    processing(interrupted, ts, worker)
-    interrupted.log_event(ENDED_TOPIC, {"key": key, "worker": worker, **ENDED, "nbytes": nbytes})
-    ts.state, ts.processing_on, ts.who_has = "memory", None, {worker}  # stands for its WorkerState
-    interrupted.transition(key, "processing", "memory")
-    return ts
-
-
-def test_result_sizes_are_those_told_for_results_held_beside_the_one_asked_for():
-    sched = scheduler(A, B)
-    interrupted = plugin(sched)
-    sched.plugins = {InterruptedTasks.name: interrupted}
-    ended_in_memory(interrupted, "asked", A, 10)
-    ended_in_memory(interrupted, "beside", A, 20)
-    ended_in_memory(interrupted, "elsewhere", B, 30)  # lost with B, it would hold the asked one up
-    ended_in_memory(interrupted, "unsized", A, None)  # its worker could not call it plain
-    assert result_sizes(["beside", "elsewhere", "unsized", "unknown"], "asked", dask_scheduler=sched) == {
-        "beside": 20
-    }
-    assert interrupted.ended["beside"] == ENDED  # the size is kept apart
-
-
-def test_a_released_result_is_sized_no_more():
-    sched = scheduler(A)
-    interrupted = plugin(sched)
-    sched.plugins = {InterruptedTasks.name: interrupted}
-    ended_in_memory(interrupted, "asked", A, 10)
-    ts = ended_in_memory(interrupted, "gone", A, 20)
-    ts.state, ts.who_has = "released", set()
-    interrupted.transition("gone", "memory", "released")
-    assert "gone" not in interrupted.sizes
-    assert result_sizes(["gone"], "asked", dask_scheduler=sched) == {}

@@ -46,9 +46,7 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "scheduler.shared": {"SharedBlobs"},  # the shared blobs' keeper, likewise
         "worker.guard": {"GPUMemoryGuard"},  # the guard plugin, registered for every worker
         "worker.labels": {"GPULabels"},  # the labels plugin, likewise
-        "worker.heap": {"WorkerHeap"},  # the heap plugin, likewise
         "worker.stream": {"PromptStream"},  # the prompt stream plugin, likewise
-        "worker.recycling": {"EarlyStartNotices"},  # the early start notices plugin, likewise
     },
     "flow.submission": {
         # the Dask task of every task run, and what prepares a worker for a flow run
@@ -79,7 +77,6 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.guard": {"replacement_state"},  # through client.run
     },
     "flow.resource_wait": {"scheduler.fallback": {"release", "stranded", "fail"}},  # run_on_scheduler
-    "flow.results": {"scheduler.recycling": {"result_sizes"}},  # run_on_scheduler
     "worker.quarantine": {"scheduler.quarantine": {"withdraw"}},  # run on the scheduler by the worker
     "cli.host_cluster": {  # registered on the host cluster as it starts
         "worker.labels": {"GPULabels"},
