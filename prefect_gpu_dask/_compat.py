@@ -546,54 +546,6 @@ def as_on_worker(worker: Any, function: Callable[..., Any], *args: Any) -> Any:
 # -- nvidia-ml-py ----------------------------------------------------------------
 
 
-@functools.cache
-def nvml_raw(name: str, hold_gil: bool = True) -> Any:
-    """The raw NVML function ``name`` from the library pynvml loaded (it returns the
-    driver's status), or None where the driver or bindings lack it.
-
-    With ``hold_gil`` the same symbol is called through a ``ctypes.PyDLL`` view of that
-    library, which keeps the GIL for the call instead of releasing it and queueing to
-    take it back: for the short reads a guarded task's thread makes. Public
-    replacement: GIL-holding calls in nvidia-ml-py.
-    """
-    import ctypes
-
-    import pynvml
-
-    try:
-        function = pynvml._nvmlGetFunctionPointer(name)
-        if hold_gil:
-            library = pynvml.nvmlLib
-            function = getattr(ctypes.PyDLL(library._name, handle=library._handle), name)
-        return function
-    except (AttributeError, pynvml.NVMLError_FunctionNotFound):
-        return None
-
-
-def nvml_check(status: int) -> None:
-    """Raise pynvml's ``NVMLError`` for a failed raw call's ``status``. Public
-    replacement: a status checker in nvidia-ml-py's public API."""
-    import pynvml
-
-    pynvml._nvmlCheckReturn(status)
-
-
-@functools.cache
-def nvml_compute_processes_raw(hold_gil: bool = True) -> tuple[Any, Any] | None:
-    """The raw ``nvmlDeviceGetComputeRunningProcesses_v3`` function and its entry type,
-    or None where the driver or bindings lack them.
-
-    Used to list processes in one driver call into a reused buffer (pynvml's wrapper
-    makes two calls and builds a Python object per entry). Public replacement: a
-    buffer-reusing variant in nvidia-ml-py.
-    """
-    import pynvml
-
-    function = nvml_raw("nvmlDeviceGetComputeRunningProcesses_v3", hold_gil)
-    entry = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None)
-    return None if function is None or entry is None else (function, entry)
-
-
 # -- Python's multiprocessing ----------------------------------------------------
 
 

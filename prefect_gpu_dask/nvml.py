@@ -10,9 +10,7 @@ not the runtime, so counting GPUs on the flow host never grabs device memory.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -20,7 +18,6 @@ import pynvml
 from distributed.diagnostics import nvml as _dask_nvml
 
 from prefect_gpu_dask import _compat
-from prefect_gpu_dask.switches import switched_on
 
 # What a failed GPU reading raises: NVML's error, or the OS's (a device or /proc file,
 # a driver gone). A ``memory_probe`` and its readers raise these too; anything else is a
@@ -129,19 +126,9 @@ def device_index(handle: Any) -> int | None:
 
 
 def device_memory(handle: Any) -> DeviceMemory | None:
-    """The device's memory in use and in all; one short driver call, holding the GIL
-    like the process list (``_hold_gil``)."""
-    import pynvml
-
-    function = _compat.nvml_raw("nvmlDeviceGetMemoryInfo", hold_gil=_hold_gil())
-    if function is None:
-        return None
-    info = pynvml.c_nvmlMemory_t()
-    status = function(handle, ctypes.byref(info))
-    if status == pynvml.NVML_ERROR_NOT_SUPPORTED:
-        return None
-    _compat.nvml_check(status)
-    return DeviceMemory(used=int(info.used), total=int(info.total))
+    """The device's memory in use and in all."""
+    info = _read("nvmlDeviceGetMemoryInfo", handle)
+    return None if info is None else DeviceMemory(used=int(info.used), total=int(info.total))
 
 
 def process_memory(handle: Any, pid: int) -> int:
@@ -184,44 +171,11 @@ def process_memories(handle: Any) -> dict[int, int]:
     }
 
 
-_buffers = threading.local()
-PROCESS_SLOTS = 32
-# A process list takes the driver tens of microseconds (the device's memory, a few).
-# Asked with the GIL released, the asking thread (a guarded task's, on its GPU slot) then
-# queues for the GIL behind any thread that took it meanwhile, for up to Python's switch
-# interval. Set to "false" where the driver's answer can take long (the worker's other
-# threads then keep running).
-HOLD_GIL_ENV = "PREFECT_GPU_DASK_NVML_HOLD_GIL"
-
-
-def _hold_gil() -> bool:
-    return switched_on(HOLD_GIL_ENV)
-
-
 def _compute_processes(handle: Any) -> Sequence[Any]:
-    """NVML's compute-process list in one driver call, into a per-thread buffer.
-
-    pynvml's ``nvmlDeviceGetComputeRunningProcesses`` asks the driver for the count,
-    then fills a fresh array and turns every entry into a Python object. This is the
-    same driver function, called once.
-    """
+    """NVML's list of the processes with a compute context on the device."""
     import pynvml
 
-    raw = _compat.nvml_compute_processes_raw(hold_gil=_hold_gil())
-    if raw is None:  # older driver or pynvml
-        return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    function, entry = raw
-    buffer = getattr(_buffers, "buffer", None)
-    while True:
-        if buffer is None:
-            buffer = _buffers.buffer = (entry * PROCESS_SLOTS)()
-        count = ctypes.c_uint(len(buffer))
-        status = function(handle, ctypes.byref(count), buffer)
-        if status != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
-            break
-        buffer = _buffers.buffer = (entry * (2 * count.value + 5))()  # room for newcomers
-    _compat.nvml_check(status)
-    return buffer[: count.value]
+    return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
 
 
 # -- activity: power, temperature, clocks, utilisation, energy ------------------------

@@ -137,7 +137,7 @@ def test_each_entry_answers_its_fallback_where_its_name_is_gone(monkeypatch):
     with _compat.use(settings) as entered:
         assert entered is not settings and entered.settings == settings.settings
     assert "sharing one Prefect context object between threads" in _compat.switched_off()
-    assert len(_compat.switched_off()) == 7, _compat.switched_off()
+    assert len(_compat.switched_off()) == 6, _compat.switched_off()
 
 
 _RENAMED = __import__("contextvars").ContextVar("renamed")

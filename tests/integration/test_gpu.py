@@ -324,52 +324,20 @@ def test_the_process_list_is_read_again_only_once_the_device_moved():
     runs_ok_in_a_child_on_one_gpu(code)
 
 
-def test_the_process_list_is_read_holding_the_gil_and_agrees_with_pynvml():
-    """The guard's per-process and device-memory reads keep the GIL (PyDLL calls), read
-    what pynvml's own wrappers read, and stay fast while another thread wants the GIL;
-    the opt-out releases it again."""
+def test_the_guards_reads_agree_with_nvidia_smi_s_view():
+    """The guard's per-process and device-memory reads, on a real GPU: this process's
+    memory as NVML lists it, the device's in use and in all."""
     code = (
-        "import ctypes, os, statistics, threading, time, cupy, pynvml; cupy.zeros(1)\n"
-        "from prefect_gpu_dask import _compat, nvml\n"
+        "import os, cupy, pynvml; x = cupy.zeros(2**26)\n"
+        "from prefect_gpu_dask import nvml\n"
         "from prefect_gpu_dask.worker.probe import open_probe\n"
         "probe = open_probe(); handle = probe._handle\n"
-        "held, released = (_compat.nvml_compute_processes_raw(hold_gil=h)[0] for h in (True, False))\n"
-        "pythonapi = ctypes._FUNCFLAG_PYTHONAPI\n"
-        "assert held._flags_ & pythonapi and not released._flags_ & pythonapi\n"
-        "theirs = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}\n"
-        "assert nvml.process_memory(handle, os.getpid()) == theirs[os.getpid()] > 0, theirs\n"
-        "assert _compat.nvml_compute_processes_raw(hold_gil=nvml._hold_gil())[0] is held\n"
-        "assert _compat.nvml_raw('nvmlDeviceGetMemoryInfo', True)._flags_ & pythonapi\n"
-        "theirs_memory = pynvml.nvmlDeviceGetMemoryInfo(handle); ours = nvml.device_memory(handle)\n"
-        "assert ours.total == theirs_memory.total and abs(ours.used - theirs_memory.used) < 2**26, ours\n"
-        "os.environ[nvml.HOLD_GIL_ENV] = 'false'\n"
-        "assert _compat.nvml_compute_processes_raw(hold_gil=nvml._hold_gil())[0] is released\n"
-        "assert nvml.process_memory(handle, os.getpid()) == theirs[os.getpid()]\n"
-        "os.environ[nvml.HOLD_GIL_ENV] = 'true'\n"
-        "stop = False\n"
-        "def spin():\n"
-        "    while not stop: pass\n"
-        "spinner = threading.Thread(target=spin); spinner.start()\n"
-        "def median_us():\n"
-        "    times = []\n"
-        "    for _ in range(50):\n"
-        "        t = time.perf_counter(); nvml.process_memory(handle, os.getpid())\n"
-        "        times.append(time.perf_counter() - t)\n"
-        "    return statistics.median(times) * 1e6\n"
-        "def device_median_us():\n"
-        "    times = []\n"
-        "    for _ in range(50):\n"
-        "        t = time.perf_counter(); nvml.device_memory(handle)\n"
-        "        times.append(time.perf_counter() - t)\n"
-        "    return statistics.median(times) * 1e6\n"
-        "held_us, device_held_us = median_us(), device_median_us()\n"
-        "os.environ[nvml.HOLD_GIL_ENV] = 'false'\n"
-        "released_us, device_released_us = median_us(), device_median_us()\n"
-        "stop = True; spinner.join()\n"
-        "print('ok', f'process list: held {held_us:.1f} us, released {released_us:.1f} us; '\n"
-        "      f'device memory: held {device_held_us:.1f} us, released {device_released_us:.1f} us '\n"
-        "      '(medians of 50, a thread spinning)')\n"
-        "assert held_us < 1000 and device_held_us < 1000, (held_us, device_held_us)\n"
+        "mine = nvml.process_memory(handle, os.getpid())\n"
+        "assert mine >= 2**26 * 8, mine\n"
+        "assert os.getpid() in nvml.process_pids(handle)\n"
+        "device = nvml.device_memory(handle)\n"
+        "assert device.total > device.used >= mine, (device, mine)\n"
+        "print('ok', mine, device)\n"
     )
     runs_ok_in_a_child_on_one_gpu(code)
 
