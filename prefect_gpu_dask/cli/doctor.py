@@ -326,7 +326,7 @@ def prefect_findings() -> list[Finding]:
         with httpx.Client(timeout=CONNECT_TIMEOUT_S) as http:
             http.get(f"{url}/health").raise_for_status()
             settings = http.get(f"{url}/admin/settings").json()
-    except (httpx.HTTPError, OSError, ValueError) as exc:  # unreachable, refusing, not JSON
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as exc:  # unreachable, refusing, not JSON
         return [
             Finding(
                 "Prefect API",
@@ -380,11 +380,8 @@ def cluster_findings(address: str, security: Any = None, label: str = "cluster")
         with Client(address, security=security, timeout=CONNECT_TIMEOUT_S, set_as_default=False) as client:
             info = client.scheduler_info(n_workers=-1)
             jobs = worker_jobs(client, info.get("workers", {}))  # batch jobs (Slurm...)
-    except (
-        OSError,
-        TimeoutError,
-        ValueError,
-    ) as exc:  # no answer (CommClosedError is an OSError), a bad address
+    # No answer (CommClosedError is an OSError), a bad address, tls:// without TLS files (TypeError).
+    except (OSError, TimeoutError, ValueError, TypeError) as exc:
         return [
             Finding(label, FAIL, f"{address} does not answer: {exc}", "check the address and --tls-* files")
         ]

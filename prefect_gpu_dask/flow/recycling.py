@@ -101,6 +101,8 @@ REPLACEMENT_WAIT_S = 60.0
 RESULTS_OFF_EVERY_S = 1.0  # how often other flow runs are asked again to take their results off
 # Taking results off: the scheduler or a worker gone, a key released meanwhile.
 TAKE_OFF_ERRORS: tuple[type[Exception], ...] = (*PACKAGE_ERRORS, KeyError)
+# Marking a hung task run TimedOut: the API unreachable or refusing, an answer that does not validate.
+TIMED_OUT_ERRORS: tuple[type[Exception], ...] = (*API_ERRORS, ValueError)
 
 
 @dataclass(frozen=True)
@@ -266,11 +268,11 @@ class Recycler:
 
     def _emit_stalled(self, hung: HungTask) -> None:
         """The Prefect event of a stalled task run."""
-        from prefect_gpu_dask.flow.reporting import EVENT_ERRORS, emit_stalled_event
+        from prefect_gpu_dask.flow.reporting import emit_stalled_event
 
         try:
             emit_stalled_event(hung)
-        except EVENT_ERRORS:  # a report, which the flow run goes on without
+        except Exception:  # a boundary: a report, which the flow run goes on without
             self.logger.exception("Could not emit the stalled event of %r", hung.task_run_name)
 
     def crash_interrupted(self, interrupted: Mapping[str, tuple[str, bool]], why: str) -> None:
@@ -351,18 +353,21 @@ class Recycler:
         try:
             with get_client(sync_client=True) as api:
                 state = api.set_task_run_state(uuid.UUID(hung.task_run_id), state, force=True).state or state
-        except API_ERRORS:
+        except TIMED_OUT_ERRORS:
             self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
-        self._timed_out[hung.key] = state
-        why = (
-            f"stalled for {hung.running_s:g} s" if hung.stalled else f"past its {hung.timeout_s:g} s timeout"
-        )
-        self.request(
-            hung.worker,
-            f"hung: {hung.task_run_name} {why}",
-            stuck=(hung.key,),
-            worker_name=hung.worker_name,
-        )
+        finally:  # the hung worker is recycled and the flow gets the state, whatever the API said
+            self._timed_out[hung.key] = state
+            why = (
+                f"stalled for {hung.running_s:g} s"
+                if hung.stalled
+                else f"past its {hung.timeout_s:g} s timeout"
+            )
+            self.request(
+                hung.worker,
+                f"hung: {hung.task_run_name} {why}",
+                stuck=(hung.key,),
+                worker_name=hung.worker_name,
+            )
 
     def settle_timed_out(self, keys: Iterable[str]) -> None:
         """End the flow's futures of hung task runs with their ``TimedOut`` states: the

@@ -49,11 +49,10 @@ if TYPE_CHECKING:
 WATCH_TICK_S = 1.0
 # ... and at least this long, a tenth of the wait between.
 WATCH_MIN_TICK_S = 0.1
+# What settling a dead worker's task runs raises: the scheduler or the API unreachable,
+# an answer that does not validate.
+SETTLE_ERRORS: tuple[type[Exception], ...] = (*SCHEDULER_ERRORS, *API_ERRORS, ValueError)
 # How long a flow run's end waits for failed task runs' records to reach Prefect's API.
-SETTLE_ERRORS: tuple[type[Exception], ...] = (
-    *SCHEDULER_ERRORS,
-    *API_ERRORS,
-)  # settling a dead worker's task runs
 RECORD_WAIT_S = 10.0
 # Where the flow keeps the Prefect task of a run it submitted: a run no worker ever
 # started has no record in Prefect's API, and its ``Failed`` one is made from the task.
@@ -321,12 +320,15 @@ class ResourceWait:
             if not self._closed:
                 try:
                     self._expire()
-                except PACKAGE_ERRORS as exc:
+                # The thread's loop: whatever one pass met, the next one still fails what
+                # waits past its deadline (nothing may wait for ever).
+                except Exception as exc:
                     if not self._closed:  # else the flow is ending and the client closing
                         self._logger.warning(
                             "Could not release task runs past their wait for a GPU worker "
-                            "(is prefect-gpu-dask installed on the scheduler?); they wait on: %s",
+                            "(is prefect-gpu-dask installed on the scheduler?); trying again: %r",
                             exc,
+                            exc_info=not isinstance(exc, PACKAGE_ERRORS),
                         )
 
     def _expire(self) -> None:

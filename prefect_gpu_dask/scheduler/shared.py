@@ -19,6 +19,7 @@ class SharedBlobs(SchedulerPlugin):
     it."""
 
     name = "prefect-gpu-dask-shared-blobs"
+    idempotent = True  # registered again by each flow run: the first one stays
 
     def __init__(self) -> None:
         self.blobs: dict[str, Any] = {}

@@ -6,8 +6,9 @@ resource annotation, and the waiting thread leaves the worker's pool
 (``distributed.worker_client`` secedes, and rejoins after): the distributed scheduler
 places the chunks on the GPU workers taking work as the call starts, this one included
 (where all of them leave meanwhile, the chunks fail after the scheduler's
-``no-workers-timeout``). Where this is the only GPU worker, the graph runs in-process
-on Dask's threads scheduler instead: no round trip through the scheduler per chunk.
+``no-workers-timeout``, on clusters the runner starts). Where this is the only GPU
+worker, the graph runs in-process on Dask's threads scheduler instead: no round trip
+through the scheduler per chunk.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from prefect_gpu_dask.worker import task_threads
 # scheduler cannot run those.
 TASKS_BASED = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
 GRAPH_THREAD_PREFIX = "gpu-graph"
+# ``dask.compute`` keywords of the threads scheduler alone, dropped on the distributed path.
+THREADS_ONLY = frozenset({"scheduler", "num_workers", "pool", "get"})
 
 
 def gpu_workers(workers: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -59,9 +62,17 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
                 in_place.update(_graph_threads())
             with dask.config.set(TASKS_BASED):
                 return dask.compute(*collections, **{**in_place, **compute_kwargs})
+        # The threads scheduler's own keywords mean nothing to the distributed one.
+        distributed_kwargs = {k: v for k, v in compute_kwargs.items() if k not in THREADS_ONLY}
         # Only there: a loose restriction would let idle CPU workers steal GPU chunks.
-        futures = client.compute(list(collections), **{"workers": workers, **compute_kwargs})
-        return tuple(client.gather(futures))
+        futures = client.compute(list(collections), **{"workers": workers, **distributed_kwargs})
+        try:
+            return tuple(client.gather(futures))
+        finally:
+            # The chunks' results released on the workers as the task ends, not whenever
+            # the frame goes: the guard reads the worker's memory after it. (Not cancelled:
+            # another task computing the same collection shares its keys.)
+            del futures
 
 
 # dask's own threads-scheduler pool where this dask has it: chunks see the caller's

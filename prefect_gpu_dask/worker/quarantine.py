@@ -126,7 +126,7 @@ class HealthWatch:
         try:
             answer = await run_on_scheduler_from_worker(self.worker, withdraw, worker=self.worker.address)
         # The scheduler gone, or without this package there: keep the GPU, refuse its tasks.
-        except (OSError, TimeoutError, ImportError, AttributeError) as exc:
+        except (OSError, TimeoutError, ImportError, AttributeError, TypeError, RuntimeError) as exc:
             logger.warning("Could not withdraw the GPU of %s on the scheduler: %r", self.worker.address, exc)
             answer = {"withdrawn": False, "others": 0}
         kept = self.quarantine

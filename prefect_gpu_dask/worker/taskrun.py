@@ -24,7 +24,6 @@ import cloudpickle
 # event workers: a set-up while one of them starts flushes its handler under the
 # logging lock the worker's thread waits for, and both wait for good.
 import prefect.main  # noqa: F401
-from distributed import get_worker
 from prefect.context import SettingsContext, SyncClientContext, hydrated_context
 from prefect.events.worker import EventsWorker
 from prefect.exceptions import ObjectNotFound
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 from prefect_gpu_dask.errors import WorkerDiedError
 from prefect_gpu_dask.payload import Shared, SharedRef
-from prefect_gpu_dask.worker.console import write_plainly_where_unseen
 from prefect_gpu_dask.worker.guard import current_guard
 from prefect_gpu_dask.worker.quarantine import HealthWatch, screen
 from prefect_gpu_dask.worker.recycling import admit, announce_end
@@ -97,12 +95,8 @@ def prepare_process() -> None:
       event loop that handler waits for needs the logging lock the second holds;
     - two ``model_rebuild`` calls of the run-context models: pydantic's rebuild is not
       thread-safe, and a run context built in between is validated as its parent class.
-
-    In a worker's own process, console lines nobody sees in colour are written plainly.
     """
     ensure_logging_setup()
-    if _in_a_process_of_its_own():
-        write_plainly_where_unseen()
     with hydrated_context(None):  # completes the run-context models, as the engine would
         pass
 
@@ -115,15 +109,6 @@ def prepare_process_once() -> None:
     Once per process while the worker cache keeps it (again, harmlessly, after it is
     evicted); the lock is taken every time, so a preparation in progress is waited for."""
     _cached("process-prepared", prepare_process)
-
-
-def _in_a_process_of_its_own() -> bool:
-    """Whether this is a worker's own process: a worker without a nanny may share the
-    flow's process, whose logging is the user's."""
-    try:
-        return get_worker().nanny is not None
-    except ValueError:  # not on a worker
-        return False
 
 
 def _settings_and_client(shared: Shared | SharedRef) -> tuple[SettingsContext, SyncClientContext]:
@@ -197,9 +182,6 @@ def run_task_run(
     screened: Task[..., Any] = screen(unshared, _compat.current_task_restrictions(), _health)
     shared_settings = context.pop("settings_context")
     settings, clients = _settings_and_client(shared_settings)
-    # Again on a task run's own thread, once per flow run: handlers Prefect set up after
-    # the preparation thread's look are made plain too.
-    _cached(f"on-a-task-thread-{shared_settings.token}", prepare_process)
     admitted, final = admit(screened, lambda: _api_state(clients, run_kwargs["task_run_id"]))
     if final is not None:  # its worker died after the run ended: the flow gets that state again
         return final
