@@ -315,6 +315,13 @@ def started_ephemeral_api_server() -> Any:
     return server
 
 
+def _metadata_through_a_client(keys: list[str]) -> Any:
+    from distributed import get_client
+
+    return get_client().get_metadata(list(keys), default=None)
+
+
+@fail_safe("reading a flow run's shared objects over the worker's own connection", _metadata_through_a_client)
 def scheduler_metadata(keys: list[str]) -> Any:
     """``Client.get_metadata(keys, default=None)`` from a task's thread on a worker, over
     the worker's own connection to its scheduler: a worker client would be one more
