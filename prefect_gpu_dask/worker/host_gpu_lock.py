@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from prefect_gpu_dask.nvml import READ_ERRORS
 from prefect_gpu_dask.private_dir import private_directory
 
 WAITER_STALE_S = 2.0  # a waiter that stopped asking this long ago has gone
@@ -151,7 +152,7 @@ class MemoryHandover:
         """``filling`` now; None where the probe could not say."""
         try:
             return self.filling(self._read())
-        except Exception:  # a boundary: the task runs whatever the probe says
+        except READ_ERRORS:  # the task runs whatever the probe says
             logger.warning(
                 "Could not list the processes on the GPU: not waiting for their memory", exc_info=True
             )
@@ -254,7 +255,8 @@ class HostGPUClaim:
             started = time.perf_counter()
             try:
                 self._flush()
-            except Exception:  # a boundary: the gate is given up whatever the flush did
+            # A CUDA error (CuPy's and torch's are RuntimeErrors): the gate is given up all the same.
+            except (RuntimeError, OSError, AttributeError):
                 logger.warning(
                     "Could not flush the allocators' pools before giving up the GPU", exc_info=True
                 )
@@ -414,12 +416,12 @@ def claiming_gpu(memory_probe: Any = None) -> Iterator[None]:
     """The ``around`` of a ``gpu`` task run: hold this worker's GPU against other
     clusters on the host while it runs (a no-op on a worker without a GPU)."""
     from prefect_gpu_dask._compat import current_worker
-    from prefect_gpu_dask.worker.probe import worker_probe
+    from prefect_gpu_dask.worker.probe import OPEN_ERRORS, worker_probe
 
     worker = current_worker()
     try:
         probe = worker_probe(worker, memory_probe) if worker is not None else None
-    except Exception:  # the guard and the labels say why; the task still runs
+    except OPEN_ERRORS:  # the guard and the labels say why; the task still runs
         probe = None
     if probe is None:
         yield

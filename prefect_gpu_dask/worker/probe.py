@@ -474,6 +474,17 @@ def open_probe(memory_probe: str | ProbeFactory | None = None) -> MemoryProbe | 
     return NvmlProbe()
 
 
+# What opening a probe raises: NVML's bindings or driver missing or failing, a
+# ``memory_probe`` that does not resolve or construct. Anything else is a bug and propagates.
+OPEN_ERRORS: tuple[type[Exception], ...] = (
+    *nvml.READ_ERRORS,
+    ImportError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    RuntimeError,
+)
+
 _opened: weakref.WeakKeyDictionary[Any, dict[Any, tuple[MemoryProbe | None, Exception | None]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -487,7 +498,7 @@ def worker_probe(worker: Any, memory_probe: str | ProbeFactory | None) -> Memory
     if key not in opened:
         try:
             opened[key] = (open_probe(memory_probe), None)
-        except Exception as exc:
+        except OPEN_ERRORS as exc:
             opened[key] = (None, exc)
     probe, error = opened[key]
     if error is not None:
