@@ -248,3 +248,16 @@ def test_keyword_arguments_reach_the_distributed_scheduler(two_workers, tmp_path
     attempts = tmp_path / "attempts"
     assert two_workers.submit(sum_retried, str(attempts), pure=False).result(timeout=60) == 1600
     assert len(attempts.read_text().splitlines()) == 2
+
+
+def sum_with_the_threads_schedulers_keywords() -> float:
+    x = da.ones((400, 400), chunks=100)
+    return float(compute_on_gpus(x.sum(), num_workers=2, scheduler="threads")[0])
+
+
+def test_the_threads_schedulers_keywords_are_dropped_on_the_distributed_path(two_workers):
+    """``num_workers=`` (documented for the in-place path) must not break a call that
+    goes to the distributed scheduler: ``client.compute`` takes no such keyword."""
+    assert (
+        two_workers.submit(sum_with_the_threads_schedulers_keywords, pure=False).result(timeout=60) == 160_000
+    )
