@@ -27,7 +27,7 @@ from distributed.comm import CommClosedError
 from prefect.context import FlowRunContext
 
 from prefect_gpu_dask import forkserver, jobqueue, nvml
-from prefect_gpu_dask.flow.resource_wait import worker_start_error
+from prefect_gpu_dask.flow.resource_wait import WRAPPERS, worker_start_error
 from prefect_gpu_dask.host_cluster import FLOW_RUN_CLIENT, HostCluster, find_host_cluster
 from prefect_gpu_dask.jobqueue import import_later as import_later  # the runner's
 from prefect_gpu_dask.resources import GPU_RESOURCE
@@ -300,8 +300,11 @@ def _start_cluster(runner: GPUDaskTaskRunner) -> None:
     try:
         runner._cluster = start_local_cluster(cluster_class, kwargs, runner._exit_stack, config)
     except RuntimeError as exc:  # distributed's "Nanny failed to start": say the worker's own error
-        if (why := worker_start_error(exc)) is None:
+        why = worker_start_error(exc)
+        if why is None and not any(words in str(exc) for words in WRAPPERS):
             raise
+        # Older distributed (2026.7) raises without it: the worker's process logged it.
+        why = why or f"{exc} (the worker's own error is in its log above)"
         name = cluster_class_name(cluster_class).rsplit(".", 1)[-1]
         raise RuntimeError(f"The {name} this flow run started could not start its workers: {why}") from exc
     runner._made_cluster = True
