@@ -29,9 +29,10 @@ from prefect.exceptions import PrefectException
 
 from prefect_gpu_dask import _compat
 
-# What a call to the Prefect API raises where the server is unreachable, refuses the
-# request or does not know the object (``ObjectNotFound``).
-API_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, PrefectException, OSError)
+# What a call to the Prefect API (or an event for it) raises: the server unreachable or
+# refusing, an object it does not know (``ObjectNotFound``), an answer or event that does
+# not validate (pydantic's ``ValidationError`` is a ``ValueError``).
+API_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, PrefectException, OSError, ValueError)
 
 RECORD_WAIT_S = 120.0
 RECORD_STALL_S = 10.0  # the count stopped rising: what is left will not come

@@ -101,8 +101,6 @@ REPLACEMENT_WAIT_S = 60.0
 RESULTS_OFF_EVERY_S = 1.0  # how often other flow runs are asked again to take their results off
 # Taking results off: the scheduler or a worker gone, a key released meanwhile.
 TAKE_OFF_ERRORS: tuple[type[Exception], ...] = (*PACKAGE_ERRORS, KeyError)
-# Marking a hung task run TimedOut: the API unreachable or refusing, an answer that does not validate.
-TIMED_OUT_ERRORS: tuple[type[Exception], ...] = (*API_ERRORS, ValueError)
 
 
 @dataclass(frozen=True)
@@ -353,7 +351,7 @@ class Recycler:
         try:
             with get_client(sync_client=True) as api:
                 state = api.set_task_run_state(uuid.UUID(hung.task_run_id), state, force=True).state or state
-        except TIMED_OUT_ERRORS:
+        except API_ERRORS:
             self.logger.exception("Could not mark task run %r TimedOut", hung.task_run_name)
         finally:  # the hung worker is recycled and the flow gets the state, whatever the API said
             self._timed_out[hung.key] = state
@@ -737,9 +735,10 @@ class RecyclableFuture(PrefectDaskFuture):
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
         try:
-            if _compat.future_final_state(self) is None:
+            if _compat.future_final_state(self) is None and not self.wrapped_future.done():
                 # Waited for without Dask's error: a state the flow settles meanwhile wins
-                # (a run its dead worker left Crashed, one no worker took Failed).
+                # (a run its dead worker left Crashed, one no worker took Failed). A done
+                # future needs no wait: the flow settles a state before Dask ends the key.
                 self.wrapped_future.exception(timeout=timeout)
         except (TimeoutError, asyncio.TimeoutError) as exc:  # one from Python 3.11 on
             message = f"Task run {self.task_run_id} did not complete within {timeout} seconds"

@@ -84,9 +84,6 @@ BATCH_TABLE_DESCRIPTION = "GPU memory of task runs that ended together"
 ONE_BY_ONE_UP_TO = 4
 GATHER_S = 0.25  # how long the publisher gathers records after the first it takes
 MOST_GATHERED = 200  # items taken at once: a table that fails to be written loses no more
-# What emitting a Prefect event raises: an event that does not validate (pydantic's
-# ValidationError is a ValueError), an events client that cannot connect.
-EVENT_ERRORS: tuple[type[Exception], ...] = (ValueError, *API_ERRORS)
 
 
 Described = TaskRecord | RestartRecord | GPUQuarantine | HungTask
@@ -236,12 +233,12 @@ class LivePublisher:
             for quarantine in (item for item in items if isinstance(item, GPUQuarantine)):
                 try:
                     emit_unhealthy_event(quarantine)
-                except EVENT_ERRORS as exc:
+                except API_ERRORS as exc:
                     self.logger.warning("Could not emit the event of %s: %s", quarantine.describe(), exc)
             for leak in (record for record in records if record.verdict == LEAK):
                 try:
                     emit_leak_event(leak)
-                except EVENT_ERRORS as exc:
+                except API_ERRORS as exc:
                     self.logger.warning("Could not emit the leak event of %s: %s", leak.task_run_name, exc)
             self._tables([record for record in records if record.task_run_id is not None])
 
@@ -378,7 +375,7 @@ def publish_artifacts(
     if flow_name and history:
         try:
             history = sizing.remember(flow_name, history)
-        except EVENT_ERRORS as exc:  # the Variable not kept: the hint then speaks of this run alone
+        except API_ERRORS as exc:  # the Variable not kept: the hint then speaks of this run alone
             (logger or logging.getLogger(__name__)).warning("Could not keep the GPU sizing history: %r", exc)
 
     with warnings.catch_warnings():

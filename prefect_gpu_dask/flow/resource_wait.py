@@ -49,9 +49,8 @@ if TYPE_CHECKING:
 WATCH_TICK_S = 1.0
 # ... and at least this long, a tenth of the wait between.
 WATCH_MIN_TICK_S = 0.1
-# What settling a dead worker's task runs raises: the scheduler or the API unreachable,
-# an answer that does not validate.
-SETTLE_ERRORS: tuple[type[Exception], ...] = (*SCHEDULER_ERRORS, *API_ERRORS, ValueError)
+# What settling a dead worker's task runs raises: the scheduler's errors or the API's.
+SETTLE_ERRORS: tuple[type[Exception], ...] = (*SCHEDULER_ERRORS, *API_ERRORS)
 # How long a flow run's end waits for failed task runs' records to reach Prefect's API.
 RECORD_WAIT_S = 10.0
 # Where the flow keeps the Prefect task of a run it submitted: a run no worker ever

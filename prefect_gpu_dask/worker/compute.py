@@ -69,9 +69,9 @@ def compute_on_gpus(*collections: Any, **compute_kwargs: Any) -> tuple[Any, ...]
         try:
             return tuple(client.gather(futures))
         finally:
-            # The chunks' results released on the workers as the task ends, not whenever
-            # the frame goes: the guard reads the worker's memory after it. (Not cancelled:
-            # another task computing the same collection shares its keys.)
+            # The chunks' results released before the guard reads the worker's memory, also
+            # where an error's traceback keeps this frame. (Not cancelled: another task
+            # computing the same collection shares its keys.)
             del futures
 
 
