@@ -171,5 +171,7 @@ def remember(flow_name: str, this_run: Mapping[str, PeakHistory]) -> dict[str, P
     # ``_sync`` is async_dispatch's own keyword, not in the methods' signatures.
     stored = Variable.get(name, default=None, _sync=True)  # type: ignore[call-overload]
     history = merged(from_value(stored), this_run)
-    Variable.set(name, to_value(history, newest=this_run), overwrite=True, _sync=True)  # type: ignore[call-arg]
+    value = to_value(history, newest=this_run)
+    if value != stored:  # a write less on the server where the last runs peaked alike
+        Variable.set(name, value, overwrite=True, _sync=True)  # type: ignore[call-arg]
     return history
