@@ -92,7 +92,6 @@ class WorkerRecycling:
     def __init__(self, worker: Any, policy: str):
         self.worker = worker
         self.policy = policy
-        self.release_wait_s = 0.0
         self.memory_released_at: float | None = None  # wall clock, once a dead worker's memory was gone
 
     async def wait_for_predecessor(self, probe: Any) -> None:
@@ -100,7 +99,7 @@ class WorkerRecycling:
         process it replaces is gone (where ``probe`` can list the GPU's processes)."""
         pids = getattr(probe, "process_pids", None)
         if pids is not None:
-            self.release_wait_s = await wait_for_released_memory(pids)
+            await wait_for_released_memory(pids)
             self.memory_released_at = time.time()
 
     def hand(self, record: TaskRecord, quarantined: bool, policy: str | None = None) -> None:
