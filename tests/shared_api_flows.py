@@ -5,10 +5,13 @@
 Maps a ``gpu`` task over ``N`` items; every execution of its body is a line of the
 ledger (``task run id, item, label``), so a test can tell a task run lost from one run
 twice. Prints ``flow-run-id <id>`` and the flow run's final state.
+``EPHEMERAL_PORT``: the temporary server takes that port (Prefect picks one of 1,000 at
+random), so flow runs one after another get a server at the same URL.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -41,4 +44,8 @@ def run(address: str, ledger: str, n: int, label: str) -> None:
 
 
 if __name__ == "__main__":
+    if port := os.environ.get("EPHEMERAL_PORT"):
+        from prefect.server.api.server import SubprocessASGIServer
+
+        SubprocessASGIServer._port_range = range(int(port), int(port) + 1)
     run(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "-")

@@ -80,6 +80,22 @@ def share_ephemeral_api(exit_stack: ExitStack) -> bool:
     return True
 
 
+def close_workers_events(client: Any) -> None:
+    """As a flow run on this process's temporary server ends on a cluster that outlives
+    it: each worker sends the events it holds for that server and closes its events
+    worker for it (``worker.entry.end_flow_run_events``). Another flow run's temporary
+    server may later take the same port: it gets none of this one's events."""
+    from prefect_gpu_dask.flow.results import PACKAGE_ERRORS
+    from prefect_gpu_dask.worker.entry import end_flow_run_events
+
+    if _api_url is None:
+        return
+    try:
+        client.run(end_flow_run_events, _api_url)
+    except (*PACKAGE_ERRORS, *API_ERRORS) as exc:  # a worker gone, or without this package
+        logger.warning("Could not close the workers' events for %s: %r", _api_url, exc)
+
+
 def ran_on_a_worker(task_run_id: Any) -> None:
     """A task run whose Dask task finished: its engine ran on a worker and sent its states."""
     with _lock:

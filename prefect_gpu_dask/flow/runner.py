@@ -33,7 +33,7 @@ from prefect_gpu_dask._compat import current_worker
 from prefect_gpu_dask.errors import MissingResourceError
 from prefect_gpu_dask.flow import cluster as clusters
 from prefect_gpu_dask.flow import reporting
-from prefect_gpu_dask.flow.prefect_api import count_when_done, share_ephemeral_api
+from prefect_gpu_dask.flow.prefect_api import close_workers_events, count_when_done, share_ephemeral_api
 from prefect_gpu_dask.flow.recycling import Recycler, unsubscribe
 from prefect_gpu_dask.flow.resource_wait import FailedRuns, ResourceWait, WorkerStartErrors, remember_task
 from prefect_gpu_dask.flow.results import SCHEDULER_ERRORS
@@ -551,6 +551,8 @@ class GPUDaskTaskRunner(DaskTaskRunner):
                 self._recycler.close(wait=connected and not self._made_cluster)
             if self._submitter is not None and connected and not self._made_cluster:
                 self._submitter.close()  # a scheduler that outlives the flow run keeps none of it
+                if self._on_ephemeral_api:  # its workers outlive this process's server
+                    close_workers_events(self._client)
             if self._live is not None:
                 self._live.close()
             if self._guard_on and self._flow_run_id and connected:

@@ -34,6 +34,20 @@ async def prepare_for_flow_run(settings: Shared, dask_worker: Any = None) -> Non
     setup.start()
 
 
+async def end_flow_run_events(api_url: str) -> None:
+    """As a flow run ends whose temporary Prefect server stops with its process (``client.run``
+    on a cluster that outlives the flow run): this worker's events worker for that server
+    sends what it holds, then stops, within ``DRAIN_EVENTS_S``. Prefect's events client
+    sends again, whenever it reconnects, every event the server has not checkpointed: left
+    running, it would send them to the next server at that URL (another flow run's, on the
+    same port), whose database knows none of their flow runs."""
+    import asyncio
+
+    from prefect_gpu_dask.worker.taskrun import DRAIN_EVENTS_S, drain_events
+
+    await asyncio.wait_for(asyncio.to_thread(drain_events, api_url), DRAIN_EVENTS_S)
+
+
 def _prepare(dask_worker: Any, settings: Shared) -> None:
     """In the set-up thread: Prefect is imported here, not on the worker's event loop,
     which a first import would hold for seconds while tasks arrive."""

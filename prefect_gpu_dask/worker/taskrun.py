@@ -30,6 +30,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.logging.configuration import ensure_logging_setup
 from prefect.logging.handlers import APILogWorker
 from prefect.plugins import load_prefect_collections
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Crashed
 from prefect.task_engine import run_task_async, run_task_sync
 
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 _worker_cache: OrderedDict[str, Any] = OrderedDict()
 _worker_lock = threading.Lock()
 WORKER_CACHE_SIZE = 256
+DRAIN_EVENTS_S = 10.0  # the longest a flow run's end waits for a worker's events to leave
 
 
 def _cached(token: str, build: Any) -> Any:
@@ -155,6 +157,14 @@ def prepare_flow_run(shared_settings: Shared) -> None:
             load_prefect_collections()
     except Exception:  # run for the flow on each worker: the first task run builds them then, and reports
         logger.warning("Could not prepare this worker for a flow run", exc_info=True)
+
+
+def drain_events(api_url: str) -> None:
+    """Send what this process's events worker for ``api_url`` holds, then stop it: the next
+    event for that URL gets a new one (``entry.end_flow_run_events``)."""
+    with _compat.events_per_api_url(), temporary_settings({PREFECT_API_URL: api_url}):
+        events = EventsWorker.instance()
+    events.drain()
 
 
 def _health() -> HealthWatch | None:

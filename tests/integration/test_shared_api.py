@@ -45,7 +45,9 @@ class FlowRunProcess:
     """One flow run in a process of its own; ``api_url`` None: its own temporary server
     on a database under ``home``."""
 
-    def __init__(self, address: str, ledger: Path, home: Path, label: str, api_url: str | None):
+    def __init__(
+        self, address: str, ledger: Path, home: Path, label: str, api_url: str | None, port: int | None = None
+    ):
         self.home, self.label, self.api_url = home, label, api_url
         home.mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -57,6 +59,8 @@ class FlowRunProcess:
         )
         if api_url:
             env["PREFECT_API_URL"] = api_url
+        if port:
+            env["EPHEMERAL_PORT"] = str(port)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.shared_api_flows", address, str(ledger), str(TASKS), label],
             cwd=ROOT,
@@ -158,3 +162,42 @@ def test_busy_night_short_two_rounds_of_four_flow_runs_on_a_shared_cluster(
     )
     assert_each_in_its_own_api(first + second, ledger)
     assert len(executions(ledger)) == 8
+
+
+def test_a_later_temporary_server_at_an_earlier_ones_url_gets_none_of_its_events(shared_cluster, tmp_path):
+    """Flow runs one after another on a shared worker, each with its own temporary server,
+    at one URL (the same port, as Prefect's random pick of 1,000 sometimes gives): the
+    later server's database holds its own flow run and all its task runs, nothing of the
+    earlier one's. Prefect's events client resends what a server has not checkpointed
+    whenever it reconnects; the worker's events worker for that URL must not outlive the
+    flow run whose server it served."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ledger = tmp_path / "ledger"
+    runs = []
+    for i in range(2):
+        deadline = time.monotonic() + 120  # the earlier server's connections leave the port in TIME_WAIT
+        while not _bindable(port) and time.monotonic() < deadline:
+            time.sleep(1)
+        home, label = tmp_path / f"run-{i}", f"same-url-{i}"
+        run = FlowRunProcess(shared_cluster.address, ledger, home, label, None, port)
+        run.wait(180)
+        assert run.proc.returncode == 0, f"{run.label}:\n{run.output}"
+        assert f"127.0.0.1:{port}" in run.output, run.output
+        assert "task runs before stopping" not in run.output, run.output
+        runs.append(run)
+    assert_each_in_its_own_api(runs, ledger)
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

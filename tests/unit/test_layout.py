@@ -59,6 +59,9 @@ SHIPPED: dict[str, dict[str, set[str]]] = {
         "worker.deadline": {"deadline"},
         "worker.oom_retry": {"oom_retry_condition", "placing"},
     },
+    "flow.prefect_api": {
+        "worker.entry": {"end_flow_run_events"},  # run on every worker as a flow run ends
+    },
     "flow.recycling": {
         "scheduler.metrics": {"count_restart"},  # through run_on_scheduler
         "scheduler.recycling": {  # through run_on_scheduler, and the lost-worker plugin
